@@ -1,0 +1,43 @@
+# The named commands. `make demo` and `make test` work on a fresh machine: they create .venv first.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+BIN    := $(VENV)/bin
+TORCH  ?= torch==2.13.0
+FLAGS  ?= slow
+
+.PHONY: install demo test check notebooks pytest bench readme clean
+
+install: $(VENV)/.installed
+
+# The pinned CPU torch goes in first, so that no dependency pulls a multi-GB CUDA build.
+$(VENV)/.installed: settings.ini setup.py
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: install
+	$(BIN)/tunebook finetune
+
+# check: notebooks clean and in sync with tunebook/, README made from index.ipynb
+check: install
+	$(PY) tools/check_sync.py
+
+notebooks: install
+	$(BIN)/nbdev_test --path nbs --flags "$(FLAGS)" --n_workers 2 --timing
+	$(PY) tools/run_notebook.py index.ipynb
+
+pytest: install
+	$(PY) -m pytest -q tests
+
+test: check notebooks pytest
+
+bench: install
+	$(PY) bench/run_all.py
+
+readme: install
+	$(PY) tools/make_readme.py
+
+clean:
+	rm -rf build dist *.egg-info _proc _docs
