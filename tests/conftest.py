@@ -1,0 +1,42 @@
+"""Shared fixtures: small random-weight Hugging Face models written by transformers to a temp folder."""
+import os
+import warnings
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+warnings.filterwarnings("ignore", message=".*torchao.*")
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+def hf_model(arch="llama", seed=0, **kw):
+    """A random-weight transformers causal LM, fp32, eval mode. kw are transformers config fields."""
+    import transformers
+    torch.manual_seed(seed)
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+    base.update(kw)
+    cls, cfg_cls = {"llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
+                    "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config)}[arch]
+    model = cls(cfg_cls(**base)).eval()
+    # transformers initialises norms to one and biases to zero: randomise them so the test sees them
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"): p.add_(0.1 * torch.randn_like(p))
+            if n.endswith(".bias"): p.normal_(0, 0.1)
+    return model
+
+
+@pytest.fixture
+def make_hf(tmp_path):
+    """make_hf(arch, **config) -> (transformers model, folder it was saved to)."""
+    def make(arch="llama", name="hf", **kw):
+        m = hf_model(arch, **kw)
+        d = tmp_path / name
+        m.save_pretrained(d)
+        return m, d
+    return make
