@@ -1,0 +1,211 @@
+"""ChunkedCrossEntropy against full-logit F.cross_entropy: values, gradients, dtypes, edge cases, memory."""
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from tunebook.loss import ChunkedCrossEntropy, cross_entropy_loss, num_loss_tokens
+
+FP32_TOL = 1e-6             # max abs, loss and both gradients
+BF16_LOSS_TOL, BF16_GRAD_TOL = 1e-3, 2e-2
+
+
+def make_inputs(B=2, T=37, D=32, V=500, dtype=torch.float32, n_ignored=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, D, generator=g).to(dtype)
+    weight = (torch.randn(V, D, generator=g) * D**-0.5).to(dtype)
+    labels = torch.randint(0, V, (B, T), generator=g)
+    labels[0, :n_ignored] = -100
+    return hidden, weight, labels
+
+
+def run(fn, hidden, weight, labels):
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = fn(h, w, labels)
+    loss.backward()
+    return loss.detach(), h.grad, w.grad
+
+
+def reference(h, w, y):
+    return F.cross_entropy((h @ w.t()).float().flatten(0, 1), y.flatten(), ignore_index=-100)
+
+
+def errors(hidden, weight, labels, loss_fn, ref=reference):
+    a, b = run(ref, hidden, weight, labels), run(loss_fn, hidden, weight, labels)
+    return [(x.float() - y.float()).abs().max().item() for x, y in zip(a, b)]
+
+
+@pytest.mark.parametrize("num_chunks", [1, 3, 8, 64])
+@pytest.mark.parametrize("shape", [dict(T=37), dict(T=64, n_ignored=0), dict(T=5), dict(B=1, T=129, V=1000),
+                                   dict(B=3, T=16, D=48, V=300, n_ignored=16)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_matches_full_logits_fp32(num_chunks, shape, seed):
+    errs = errors(*make_inputs(seed=seed, **shape), ChunkedCrossEntropy(num_chunks))
+    assert max(errs) <= FP32_TOL, errs
+
+
+def test_ignored_tokens_are_ignored():
+    h, w, y = make_inputs()
+    y2 = y.clone(); y2[1, ::3] = -100
+    loss = ChunkedCrossEntropy(4)(h, w, y2)
+    assert torch.allclose(loss, reference(h, w, y2), atol=FP32_TOL, rtol=0)
+    assert not torch.allclose(loss, reference(h, w, y), atol=1e-3)
+    # the gradient of hidden is exactly zero at ignored positions
+    _, gh, _ = run(ChunkedCrossEntropy(4), h, w, y2)
+    assert gh[y2 == -100].abs().max() == 0
+
+
+def test_custom_ignore_index():
+    h, w, y = make_inputs(V=50)
+    y[1, :7] = 0
+    ref = F.cross_entropy((h @ w.t()).flatten(0, 1), y.flatten().masked_fill(y.flatten() == -100, 0), ignore_index=0)
+    y0 = y.masked_fill(y == -100, 0)
+    assert torch.allclose(ChunkedCrossEntropy(3, ignore_index=0)(h, w, y0), ref, atol=FP32_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("T", [5, 45])
+def test_bf16(T):
+    hidden, weight, labels = make_inputs(T=T, dtype=torch.bfloat16)
+    errs = errors(hidden, weight, labels, ChunkedCrossEntropy(8))
+    assert errs[0] <= BF16_LOSS_TOL and max(errs[1:]) <= BF16_GRAD_TOL, errs
+    loss, gh, gw = run(ChunkedCrossEntropy(8), hidden, weight, labels)
+    assert loss.dtype == torch.float32 and gh.dtype == gw.dtype == torch.bfloat16
+
+
+def test_all_ignored_is_zero_with_zero_grads():
+    h, w, _ = make_inputs()
+    y = torch.full((2, 37), -100)
+    for reduction in ("mean", "sum"):
+        loss, gh, gw = run(ChunkedCrossEntropy(8, reduction=reduction), h, w, y)
+        assert loss.item() == 0.0 and not loss.isnan()
+        assert gh.abs().max() == 0 and gw.abs().max() == 0
+    assert cross_entropy_loss(h @ w.t(), y).item() == 0.0
+
+
+def test_frozen_weight_gets_no_grad():
+    h, w, y = make_inputs()
+    h.requires_grad_()
+    ChunkedCrossEntropy(8)(h, w, y).backward()
+    assert w.grad is None and h.grad is not None
+
+
+def test_gradcheck_fp64():
+    h, w, y = make_inputs(B=2, T=5, D=4, V=7, dtype=torch.float64, n_ignored=2)
+    h.requires_grad_(); w.requires_grad_()
+    assert torch.autograd.gradcheck(lambda h, w: ChunkedCrossEntropy(3)(h, w, y), (h, w))
+    assert torch.autograd.gradcheck(lambda h, w: ChunkedCrossEntropy(2, reduction="sum")(h, w, y), (h, w))
+
+
+def test_upstream_gradient_is_scaled():
+    h, w, y = make_inputs()
+    a = run(lambda h, w, y: 2.5 * ChunkedCrossEntropy(4)(h, w, y), h, w, y)
+    b = run(lambda h, w, y: 2.5 * reference(h, w, y), h, w, y)
+    assert all((x - z).abs().max() <= 3e-6 for x, z in zip(a, b))
+
+
+def test_sum_reduction_and_gradient_accumulation():
+    h, w, y = make_inputs(B=4, T=20)
+    y[1, :15] = -100
+    total = ChunkedCrossEntropy(4, reduction="sum")(h, w, y)
+    assert torch.allclose(total, cross_entropy_loss(h @ w.t(), y, reduction="sum"), rtol=1e-6, atol=0)
+    n = num_loss_tokens(y)
+    assert n.item() == 4 * 20 - 5 - 15
+    acc = sum(ChunkedCrossEntropy(4, reduction="sum")(h[i:i + 2], w, y[i:i + 2]) / n for i in (0, 2))
+    assert torch.allclose(acc, ChunkedCrossEntropy(4)(h, w, y), atol=FP32_TOL, rtol=0)
+
+
+def test_int32_labels():
+    h, w, y = make_inputs()
+    assert torch.allclose(ChunkedCrossEntropy(4)(h, w, y.int()), reference(h, w, y), atol=FP32_TOL, rtol=0)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="num_chunks must be an integer >= 1"): ChunkedCrossEntropy(0)
+    with pytest.raises(ValueError, match="num_chunks"): ChunkedCrossEntropy(-3)
+    with pytest.raises(ValueError, match="num_chunks"): ChunkedCrossEntropy(2.0)
+    with pytest.raises(ValueError, match="reduction"): ChunkedCrossEntropy(reduction="none")
+    h, w, y = make_inputs()
+    ce = ChunkedCrossEntropy()
+    with pytest.raises(ValueError, match=r"output_weight \(500, 16\)"): ce(h, w[:, :16], y)
+    with pytest.raises(ValueError, match=r"labels \(2, 36\)"): ce(h, w, y[:, :36])
+    with pytest.raises(ValueError, match=r"hidden \(37, 32\)"): ce(h[0], w, y)
+    with pytest.raises(TypeError, match="integer"): ce(h, w, y.float())
+    with pytest.raises(TypeError, match="must share a dtype"): ce(h, w.bfloat16(), y)
+    with pytest.raises(ValueError, match=r"\(2, 37, 500\)"): cross_entropy_loss(h @ w.t(), y[:, :5])
+
+
+class TinyLM(nn.Module):
+    "Embedding -> Linear -> tanh -> output head, optionally tied: enough to train end to end."
+    def __init__(self, V=97, D=24, tied=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed_tokens = nn.Embedding(V, D)
+        self.proj = nn.Linear(D, D)
+        self.lm_head = nn.Linear(D, V, bias=False)
+        if tied: self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, ids): return torch.tanh(self.proj(self.embed_tokens(ids)))   # (B, T, D) hidden
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_training_matches_full_logits(tied):
+    "A few SGD steps of a tiny LM: same parameters with the chunked loss as with full logits."
+    ids = torch.randint(0, 97, (3, 21), generator=torch.Generator().manual_seed(0))
+    labels = torch.cat([ids[:, 1:], torch.full((3, 1), -100)], 1)
+    labels[0, :6] = -100
+    models = []
+    for chunked in (False, True):
+        m = TinyLM(tied=tied)
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        ce = ChunkedCrossEntropy(4)
+        for _ in range(5):
+            hidden = m(ids)
+            loss = ce(hidden, m.lm_head.weight, labels) if chunked else cross_entropy_loss(m.lm_head(hidden), labels)
+            loss.backward(); opt.step(); opt.zero_grad()
+        models.append(m)
+    for (n, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        assert (a - b).abs().max() <= 1e-6, n
+
+
+class LiveBytes(TorchDispatchMode):
+    "Bytes of tensor storages created inside the block: `.live` now, `.peak` at most."
+    def __init__(self):
+        super().__init__(); self.live = self.peak = 0; self._seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor): continue
+            st = t.untyped_storage(); key, n = st.data_ptr(), st.nbytes()
+            if n == 0 or key in self._seen or key in inputs: continue
+            self._seen.add(key); self.live += n; self.peak = max(self.peak, self.live)
+            weakref.finalize(st, self._free, key, n)
+        return out
+
+    def _free(self, key, n): self._seen.discard(key); self.live -= n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_memory_no_full_logits(dtype):
+    B, T, D, V = 2, 512, 64, 8192
+    h, w, y = make_inputs(B, T, D, V, dtype=dtype)
+    h.requires_grad_(); w.requires_grad_()
+    logits_fp32 = B * T * V * 4
+    peaks = {}
+    for name, fn in {"full": lambda: cross_entropy_loss(h @ w.t(), y), "chunked": lambda: ChunkedCrossEntropy(8)(h, w, y)}.items():
+        with LiveBytes() as m:
+            loss = fn(); kept = m.live
+            loss.backward()
+        peaks[name] = (m.peak, kept)
+        h.grad = w.grad = None
+    assert peaks["full"][1] >= logits_fp32                 # log-softmax kept for backward
+    assert peaks["chunked"][1] < 64                        # only the 0-dim loss and token count
+    chunk = logits_fp32 // 8
+    grads = h.numel() * h.element_size() + V * D * 4       # dh, fp32 dW accumulator (+ its cast for bf16)
+    assert peaks["chunked"][0] <= 1.5 * chunk + 1.5 * grads + 2**16, peaks
+    assert peaks["chunked"][0] < peaks["full"][0] / 8, peaks
