@@ -1,0 +1,117 @@
+"""Trainer: exact resume, run folder, and bad input stopped before training."""
+import json
+
+import pytest
+import torch
+
+from tunebook.data import make_task
+from tunebook.model import build_model, pico
+from tunebook.tokenizer import train_tokenizer
+from tunebook.train import TrainConfig, Trainer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    rows = make_task("reverse", 300, seed=0)
+    return train_tokenizer([r["prompt"] + " " + r["response"] for r in rows], vocab_size=300)
+
+
+def _trainer(tok, out, **kw):
+    torch.manual_seed(0)
+    model = build_model(pico(vocab_size=tok.vocab_size, dim=32, hidden_dim=64))
+    kw = {"batch_size": 8, "max_steps": 6, **kw}
+    cfg = TrainConfig(model="given", task="reverse", n_train=96, eval_samples=4, output_dir=str(out), **kw)
+    return Trainer(cfg, model=model, tokenizer=tok)
+
+
+@pytest.mark.parametrize("kw", [dict(method="full"),
+                                dict(method="lora", grad_accum_steps=2),
+                                dict(method="full", chunked_ce=3, optimizer_in_backward=True, max_grad_norm=None),
+                                dict(method="dora", packing=True, max_seq_len=48)],
+                         ids=["full", "lora-accum", "chunked-oib", "dora-packed"])
+def test_resume_is_bit_exact(tok, tmp_path, kw):
+    a = _trainer(tok, tmp_path / "a", **kw).setup()
+    ref = [a.train_step()["loss"] for _ in range(6)]
+    b = _trainer(tok, tmp_path / "b", **kw).setup()
+    for _ in range(3): b.train_step()
+    b.save_checkpoint()
+    del b  # the "killed" run
+    c = _trainer(tok, tmp_path / "b", resume=True, **kw).setup()
+    assert c.step == 3
+    got = [c.train_step()["loss"] for _ in range(3)]
+    assert got == ref[3:]  # to the bit
+    pa = dict(a.model.named_parameters()); pc = dict(c.model.named_parameters())
+    assert all(torch.equal(pa[n], pc[n]) for n in pa)
+
+
+def test_resume_refuses_changed_options(tok, tmp_path):
+    b = _trainer(tok, tmp_path / "b").setup(); b.train_step(); b.save_checkpoint()
+    with pytest.raises(ValueError, match="lr was"):
+        _trainer(tok, tmp_path / "b", resume=True, lr=1e-4).setup()
+
+
+def test_grad_accumulation_equals_big_batch(tok, tmp_path):
+    """Two micro-batches of 4 give the same step as one batch of 8 (loss normalised over all tokens)."""
+    a = _trainer(tok, tmp_path / "a", method="full", batch_size=8).setup()
+    b = _trainer(tok, tmp_path / "b", method="full", batch_size=4, grad_accum_steps=2).setup()
+    # the order is one permutation per epoch, so b's micro-batches 0 and 1 hold a's batch 0
+    la, lb = a.train_step()["loss"], b.train_step()["loss"]
+    assert abs(la - lb) < 1e-5
+    pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
+    assert max((pa[n] - pb[n]).abs().max().item() for n in pa) < 1e-6
+
+
+def test_run_folder(tok, tmp_path):
+    t = _trainer(tok, tmp_path / "run", method="lora", max_steps=3)
+    s = t.fit(progress=False)
+    names = sorted(p.name for p in (tmp_path / "run").iterdir())
+    assert names == ["adapter", "checkpoints", "config.json", "loss.png", "metrics.csv", "model", "summary.json"]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    for k in ("eval_accuracy_before", "eval_accuracy_after", "tokens_per_second", "peak_memory_bytes"):
+        assert summary[k] is not None
+    from tunebook.checkpoint import load_hf
+    from tunebook.lora import merge_lora
+    merged = load_hf(tmp_path / "run" / "model")
+    x = torch.randint(0, tok.vocab_size, (1, 7))
+    with torch.no_grad():
+        assert (merged(x) - t.model(x)).abs().max() < 1e-5  # merged weights = adapted model
+
+
+# ---- bad input stops before training, naming the problem and the fix ----
+
+def _cli(*argv):
+    from tunebook.cli import main
+    return main(["finetune", "--quiet", "--max-steps", "1", *argv])
+
+
+def test_missing_data_file(tmp_path, capsys):
+    assert _cli("--data", str(tmp_path / "nope.jsonl"), "--output-dir", str(tmp_path / "o")) == 2
+    assert "nope.jsonl" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_rows_missing_fields(tmp_path, capsys):
+    f = tmp_path / "d.jsonl"
+    f.write_text("\n".join(json.dumps({"question": "q", "answer": "a"}) for _ in range(10)))
+    assert _cli("--data", str(f), "--output-dir", str(tmp_path / "o")) == 2
+    err = capsys.readouterr().err
+    assert "prompt" in err and "question" in err and "--prompt-field" in err.replace("prompt_column", "--prompt-field") or "prompt_column" in err
+
+
+def test_empty_dataset(tmp_path, capsys):
+    f = tmp_path / "d.jsonl"; f.write_text("")
+    assert _cli("--data", str(f), "--output-dir", str(tmp_path / "o")) == 2
+    assert "empty" in capsys.readouterr().err
+
+
+def test_every_example_too_long(tmp_path, capsys):
+    f = tmp_path / "d.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt": "word " * 200, "response": "yes"}) for _ in range(10)))
+    assert _cli("--data", str(f), "--max-seq-len", "16", "--output-dir", str(tmp_path / "o")) == 2
+    assert "max_seq_len=16" in capsys.readouterr().err
+
+
+def test_model_folder_not_a_model(tmp_path, capsys):
+    (tmp_path / "m").mkdir(); (tmp_path / "m" / "notes.txt").write_text("hi")
+    assert _cli("--model", str(tmp_path / "m"), "--output-dir", str(tmp_path / "o")) == 2
+    assert "config.json" in capsys.readouterr().err
