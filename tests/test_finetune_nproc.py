@@ -1,0 +1,50 @@
+"""`tunebook finetune --nproc 2` (torchrun, gloo, FSDP2) against the same run in one process."""
+import os
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import torch
+
+from tunebook.checkpoint import load_hf, save_hf
+from tunebook.data import make_task
+from tunebook.model import build_model, pico
+from tunebook.tokenizer import train_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("m") / "pico"
+    rows = make_task("reverse", 300, seed=0)
+    tok = train_tokenizer([r["prompt"] + " " + r["response"] for r in rows], vocab_size=300)
+    torch.manual_seed(0)
+    save_hf(build_model(pico(vocab_size=tok.vocab_size, dim=32, hidden_dim=64, tie_embeddings=False)), d)
+    tok.save(d)
+    return d
+
+
+def _run(model_dir, out, nproc, *extra):
+    argv = [sys.executable, "-m", "tunebook.cli", "finetune", "--quiet", "--model", str(model_dir), "--task", "reverse",
+            "--n-train", "64", "--eval-samples", "2", "--max-new-tokens", "4", "--batch-size", "8", "--max-steps", "3",
+            "--lr", "1e-3", "--warmup-steps", "0", "--nproc", str(nproc), "--output-dir", str(out), *extra]
+    r = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return pd.read_csv(out / "metrics.csv")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_two_processes_match_one(model_dir, tmp_path, method):
+    one = _run(model_dir, tmp_path / "one", 1, "--method", method)
+    two = _run(model_dir, tmp_path / "two", 2, "--method", method)
+    assert (one["loss"] - two["loss"]).abs().max() <= 1e-5, (one["loss"].tolist(), two["loss"].tolist())
+    a, b = load_hf(tmp_path / "one" / "model"), load_hf(tmp_path / "two" / "model")
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert max((pa[n] - pb[n]).abs().max().item() for n in pa) <= 1e-5
+
+
+def test_nproc_must_divide_batch(model_dir, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "tunebook.cli", "finetune", "--model", str(model_dir), "--nproc", "3",
+                        "--batch-size", "8", "--output-dir", str(tmp_path / "o")], capture_output=True, text=True)
+    assert r.returncode == 2 and "multiple of nproc=3" in r.stderr
