@@ -39,7 +39,7 @@ setuptools.setup(
     include_package_data=True,
     package_data={s["lib_path"]: ["assets/*", "assets/**/*"]},
     install_requires=s.get("requirements", "").split(),
-    extras_require={"dev": s.get("dev_requirements", "").split()},
+    extras_require={"dev": s.get("dev_requirements", "").split(), "bench": s.get("bench_requirements", "").split()},
     entry_points={"console_scripts": s.get("console_scripts", "").split(), "nbdev": [f"{s['lib_path']}={s['lib_path']}._modidx:d"]},
     zip_safe=False,
 )
