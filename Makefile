@@ -25,8 +25,8 @@ check: install
 	$(PY) tools/check_sync.py
 
 notebooks: install
-	$(BIN)/nbdev_test --path nbs --flags "$(FLAGS)" --n_workers 2 --timing
-	$(PY) tools/run_notebook.py index.ipynb
+	OMP_NUM_THREADS=1 $(BIN)/nbdev_test --path nbs --flags "$(FLAGS)" --n_workers 2 --timing
+	$(BIN)/nbdev_test --path index.ipynb --flags "$(FLAGS)" --timing
 
 pytest: install
 	$(PY) -m pytest -q tests

@@ -36,3 +36,14 @@ def test_finetune_default_end_to_end(tmp_path):
     assert wall < 300, f"took {wall:.0f} s"
     for k in ("tokens_per_second", "peak_memory_bytes"):
         assert s[k] > 0
+
+
+@pytest.mark.slow
+def test_qlora_finetune_still_gains(tmp_path):
+    """QLoRA (NF4 base, --quantize-base) on the embedded default still shows the accuracy gain."""
+    out = subprocess.run([sys.executable, "-m", "tunebook.cli", "finetune", "--quantize-base", "--eval-samples", "100",
+                          "--output-dir", str(tmp_path / "run"), "--quiet"], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s["method"] == "qlora"
+    assert s["eval_accuracy_after"] - s["eval_accuracy_before"] >= 0.5, s

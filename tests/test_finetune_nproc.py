@@ -48,3 +48,13 @@ def test_nproc_must_divide_batch(model_dir, tmp_path):
     r = subprocess.run([sys.executable, "-m", "tunebook.cli", "finetune", "--model", str(model_dir), "--nproc", "3",
                         "--batch-size", "8", "--output-dir", str(tmp_path / "o")], capture_output=True, text=True)
     assert r.returncode == 2 and "multiple of nproc=3" in r.stderr
+
+
+@pytest.mark.slow
+def test_resume_with_another_world_size_is_refused(model_dir, tmp_path):
+    _run(model_dir, tmp_path / "run", 2, "--method", "full")
+    r = subprocess.run([sys.executable, "-m", "tunebook.cli", "finetune", "--quiet", "--model", str(model_dir), "--task", "reverse",
+                        "--n-train", "64", "--eval-samples", "2", "--batch-size", "8", "--max-steps", "5", "--lr", "1e-3",
+                        "--warmup-steps", "0", "--method", "full", "--max-new-tokens", "4", "--resume",
+                        "--output-dir", str(tmp_path / "run")], capture_output=True, text=True)
+    assert r.returncode == 2 and "nproc was 2, now 1" in r.stderr, r.stderr[-2000:]

@@ -99,6 +99,8 @@ class Reference:
 @dataclass
 class DPOConfig(TrainConfig):
     "A DPO run: `TrainConfig`'s options plus DPO's."
+    task: str | None = "count"          # synthetic task: the embedded model half-solves it (50%), so preferences between
+                                        # its answer and a plausible wrong one carry signal (reverse: 0%, it cannot tell)
     beta: float = 0.1                   # KL strength
     label_smoothing: float = 0.0        # cDPO epsilon (0 = plain DPO)
     n_pairs: int = 1000                 # synthetic task: training pairs
@@ -106,8 +108,8 @@ class DPOConfig(TrainConfig):
     chosen_field: str = "chosen"
     rejected_field: str = "rejected"
     lr: float = 1e-3
-    max_steps: int = 60
-    batch_size: int = 8
+    max_steps: int = 40
+    batch_size: int = 16
     warmup_steps: int = 5
     eval_samples: int = 50
     output_dir: str = "runs/dpo"
