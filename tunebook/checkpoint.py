@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .core import check_dir, dtype_name, get_dtype
+from .core import check_dir, dtype_name, get_dtype, read_json
 from .model import ModelConfig, Transformer, build_model
 
 # %% auto #0
@@ -118,13 +118,8 @@ def _open(f: Path):
 def read_hf_config(path) -> ModelConfig:
     "The `ModelConfig` of a Hugging Face model folder."
     root = check_dir(path, "model folder")
-    cfg_file = root / "config.json"
-    if not cfg_file.exists():
-        raise FileNotFoundError(f"{cfg_file} does not exist: {root} is not a Hugging Face model folder "
-                                "(it needs config.json and safetensors weights).")
-    try: hf = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e: raise ValueError(f"{cfg_file} is not valid JSON: {e}") from e
-    return config_from_hf(hf, str(cfg_file))
+    hf = read_json(root, "config.json", "a Hugging Face model folder (it needs config.json and safetensors weights)")
+    return config_from_hf(hf, str(root / "config.json"))
 
 # %% ../nbs/03_checkpoint.ipynb #271a463b
 def load_hf(path, dtype=None, device="cpu") -> Transformer:

@@ -5,6 +5,7 @@
 # %% ../nbs/00_core.ipynb #c4c13f37
 from __future__ import annotations
 
+import json
 import os
 import random
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 
 # %% auto #0
 __all__ = ['get_device', 'get_dtype', 'dtype_name', 'seed_everything', 'count_params', 'human_bytes', 'human_count', 'check_dir',
-           'check_file']
+           'check_file', 'read_json']
 
 # %% ../nbs/00_core.ipynb #4d675502
 def get_device(device: str | torch.device | None = "auto") -> torch.device:
@@ -87,3 +88,10 @@ def check_file(path, what: str = "file") -> Path:
     if not p.exists(): raise FileNotFoundError(f"{what} {str(p)!r} does not exist; check the path.")
     if p.is_dir(): raise IsADirectoryError(f"{what} {str(p)!r} is a folder, but a file was expected.")
     return p
+
+def read_json(folder: Path, name: str, what: str) -> dict:
+    "The JSON file `name` in `folder`, or an error saying `folder` is not `what` (which names the files it needs)."
+    f = Path(folder) / name
+    if not f.exists(): raise FileNotFoundError(f"{f} does not exist: {folder} is not {what}.")
+    try: return json.loads(f.read_text())
+    except json.JSONDecodeError as e: raise ValueError(f"{f} is not valid JSON: {e}") from e

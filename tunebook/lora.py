@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .checkpoint import hf_key
-from .core import check_dir
+from .core import check_dir, read_json
 
 # %% auto #0
 __all__ = ['NF4_LEVELS', 'nf4_quantize', 'nf4_dequantize', 'FrozenLinear', 'LoRALinear', 'lora_modules', 'apply_lora',
@@ -422,11 +422,7 @@ def save_adapter(model: nn.Module, path, base_model_name_or_path: str | None = N
 def _read_adapter(path):
     root = check_dir(path, "adapter folder")
     cfg_file = root / "adapter_config.json"
-    if not cfg_file.exists():
-        raise FileNotFoundError(f"{cfg_file} does not exist: {root} is not a peft adapter folder "
-                                "(it needs adapter_config.json and adapter_model.safetensors).")
-    try: cfg = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e: raise ValueError(f"{cfg_file} is not valid JSON: {e}") from e
+    cfg = read_json(root, "adapter_config.json", "a peft adapter folder (it needs adapter_config.json and adapter_model.safetensors)")
     wfile = root / "adapter_model.safetensors"
     if not wfile.exists():
         hint = " Found adapter_model.bin: tunebook reads safetensors only." if (root / "adapter_model.bin").exists() else ""
