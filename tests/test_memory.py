@@ -132,3 +132,19 @@ def test_70b_estimate_is_fast_and_small():
     assert float(seconds) < 120
     assert int(rss_kib) * 1024 < 4 * 2**30
     assert int(peak) > 70e9 * 2 * 4   # bf16 weights + grads + two AdamW states
+
+
+def test_optimizer_steps_in_other_threads_are_ignored():
+    """Optimizer step hooks are global; a tracker (a thread-local dispatch mode) must ignore other threads'
+    steps, e.g. a widget's estimate running beside a training run."""
+    import threading
+    from tunebook.memory import MemoryTracker
+    mine, theirs = torch.nn.Linear(8, 8), torch.nn.Linear(64, 64)
+    opt, other = torch.optim.AdamW(mine.parameters()), torch.optim.AdamW(theirs.parameters())
+    theirs(torch.randn(2, 64)).sum().backward()
+    with MemoryTracker().watch(mine, opt) as tr:
+        tr.phase = "forward"
+        before = dict(tr.current)
+        t = threading.Thread(target=other.step); t.start(); t.join()
+        assert tr.phase == "forward"
+        assert tr.current["optimizer"] == before["optimizer"]  # their AdamW state is not counted here

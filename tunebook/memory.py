@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 import time
 import warnings
 import weakref
@@ -224,8 +225,13 @@ def _track_state(self: MemoryTracker, opt) -> None:
 MemoryTracker._track_state = _track_state
 
 def _enter(self: MemoryTracker):
-    def pre_step(opt, args, kwargs): self._saved_phase, self.phase = self.phase, "optimizer"
-    def post_step(opt, args, kwargs): self._track_state(opt); self.phase = self._saved_phase
+    # optimizer step hooks are global, but a dispatch mode sees only its own thread: ignore steps taken
+    # by other threads (a widget's estimate running beside a training run, say)
+    me = threading.get_ident()
+    def pre_step(opt, args, kwargs):
+        if threading.get_ident() == me: self._saved_phase, self.phase = self.phase, "optimizer"
+    def post_step(opt, args, kwargs):
+        if threading.get_ident() == me: self._track_state(opt); self.phase = self._saved_phase
     self._handles += [register_optimizer_step_pre_hook(pre_step), register_optimizer_step_post_hook(post_step)]
     return TorchDispatchMode.__enter__(self)
 
