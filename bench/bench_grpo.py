@@ -13,6 +13,8 @@ import time
 
 import torch
 
+_cores = torch.get_num_threads()
+
 from tunebook.grpo import GRPOConfig, GRPOTrainer
 
 
@@ -24,19 +26,21 @@ class _TimeBudget:
 
 
 def run(async_mode: bool, seconds: float, args) -> dict:
-    cfg = GRPOConfig(model=args.model, tokenizer=args.tokenizer, task=args.task, async_mode=async_mode, max_steps=10_000,
-                     group_size=args.group_size, prompts_per_step=args.prompts_per_step, max_new_tokens=args.max_new_tokens,
-                     eval_samples=args.eval_samples, lora_rank=8, lr=args.lr, beta=0.02, max_staleness=args.max_staleness,
-                     queue_size=2, num_generators=args.generators, output_dir=tempfile.mkdtemp(prefix="bench-grpo-"))
-    if not async_mode: torch.set_num_threads(args.sync_threads)
-    else: torch.set_num_threads(args.learner_threads)
+    given = {k: v for k, v in dict(tokenizer=args.tokenizer, task=args.task, lr=args.lr, max_staleness=args.max_staleness,
+                                   queue_size=args.queue_size, learner_threads=args.learner_threads).items() if v is not None}
+    cfg = GRPOConfig(model=args.model, async_mode=async_mode, max_steps=10_000, group_size=args.group_size,
+                     prompts_per_step=args.prompts_per_step, max_new_tokens=args.max_new_tokens, eval_samples=args.eval_samples,
+                     num_generators=args.generators, output_dir=tempfile.mkdtemp(prefix="bench-grpo-"), **given)
+    torch.set_num_threads(args.sync_threads if not async_mode and args.sync_threads else _cores)
     t = GRPOTrainer(cfg, callbacks=[_TimeBudget(seconds)])
     s = t.fit(progress=False)
     # the first rollout of an async run waits for process start-up: count throughput from the first step on
     m = t.metrics
     span = m[-1]["time"] - m[0]["time"] + m[0]["seconds"] if m else float("nan")
     steady = sum(r["samples"] for r in m) / span if m else float("nan")
-    return dict(samples_per_second=steady, samples=s["samples"], steps=s["steps"], mean_reward=s["mean_train_reward"],
+    learn = statistics.median(r["learn_seconds"] for r in m) * 1e3 if m else float("nan")
+    sample = statistics.median(r["sample_seconds"] for r in m) * 1e3 if m else float("nan")
+    return dict(samples_per_second=steady, learn_ms=learn, sample_ms=sample, samples=s["samples"], steps=s["steps"], mean_reward=s["mean_train_reward"],
                 reward_before=s["eval_reward_before"], reward_after=s["eval_reward_after"], dropped=s["dropped_stale"],
                 max_staleness_used=s["max_staleness_used"])
 
@@ -44,12 +48,14 @@ def run(async_mode: bool, seconds: float, args) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="embedded"); p.add_argument("--tokenizer", default=None)
-    p.add_argument("--task", default=None); p.add_argument("--seconds", type=float, default=60)
+    p.add_argument("--task", default=None, help="default: GRPOConfig's"); p.add_argument("--seconds", type=float, default=60)
     p.add_argument("--repeats", type=int, default=1); p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--prompts-per-step", type=int, default=4); p.add_argument("--max-new-tokens", type=int, default=8)
-    p.add_argument("--eval-samples", type=int, default=50); p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--max-staleness", type=int, default=2); p.add_argument("--generators", type=int, default=1)
-    p.add_argument("--sync-threads", type=int, default=2); p.add_argument("--learner-threads", type=int, default=1)
+    p.add_argument("--eval-samples", type=int, default=50); p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--max-staleness", type=int, default=None); p.add_argument("--generators", type=int, default=1)
+    p.add_argument("--queue-size", type=int, default=None)
+    p.add_argument("--sync-threads", type=int, default=None, help="default: all cores")
+    p.add_argument("--learner-threads", type=int, default=None, help="default: the cores the generators leave")
     args = p.parse_args()
     res = {False: [], True: []}
     for _ in range(args.repeats):

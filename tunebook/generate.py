@@ -47,10 +47,13 @@ def generate(model: Transformer,
              eos_id: int | list[int] | None = None,    # stop a row at this token (or any of these)
              pad_id: int = 0,                          # filler for left padding and finished rows
              generator: torch.Generator | None = None,
-             ) -> list[list[int]]:                     # the new tokens of each prompt
-    "Continue each prompt by up to `max_new_tokens` tokens, using a KV cache."
+             logprobs: bool = False,                   # also return each new token's log-probability
+             num_samples: int = 1,                     # continuations per prompt (rows prompt-major); the prompt is prefilled once
+             ) -> list[list[int]] | tuple[list[list[int]], list[list[float]]]:  # the new tokens of each prompt
+    "Continue each prompt by up to `max_new_tokens` tokens, using a KV cache; `logprobs=True`: (tokens, log-probs)."
     if isinstance(prompts, torch.Tensor): prompts = prompts.tolist()
     if not prompts or any(len(p) == 0 for p in prompts): raise ValueError("every prompt needs at least one token")
+    if num_samples < 1: raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     device = model.embed_tokens.weight.device
     B, L = len(prompts), max(len(p) for p in prompts)
     tokens = torch.full((B, L), pad_id, dtype=torch.long, device=device)
@@ -64,14 +67,24 @@ def generate(model: Transformer,
     was_training = model.training
     model.eval()
     model.setup_cache(B, L + max_new_tokens)
-    out = [[] for _ in range(B)]
     try:
         logits = model(tokens, positions=positions, attn_mask=mask if ragged else None)[:, -1]
+        if num_samples > 1:  # copy each prompt's cache, last logits, mask and positions to its rows
+            rep = lambda t: t.repeat_interleave(num_samples, 0)
+            for layer in model.layers:
+                kv = layer.self_attn.cache
+                kv.k, kv.v = rep(kv.k), rep(kv.v)
+            logits, mask, positions, B = rep(logits), rep(mask), rep(positions), B * num_samples
+        out, lps = [[] for _ in range(B)], [[] for _ in range(B)]
         pos, done = positions[:, -1:] + 1, torch.zeros(B, dtype=torch.bool, device=device)
         for step in range(max_new_tokens):
             nxt = sample_next(logits, temperature, top_k, top_p, generator)
             nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
-            for i in (~done).nonzero().flatten().tolist(): out[i].append(int(nxt[i]))
+            live = (~done).nonzero().flatten().tolist()
+            for i, t in zip(live, nxt[live].tolist()): out[i].append(t)
+            if logprobs:  # under the model's own distribution (temperature 1, no top-k/p), as a forward pass scores it
+                lp = torch.log_softmax(logits.float(), -1).gather(-1, nxt[:, None]).squeeze(-1)
+                for i, v in zip(live, lp[live].tolist()): lps[i].append(v)
             done |= torch.isin(nxt, eos)
             if bool(done.all()) or step == max_new_tokens - 1: break
             mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], 1)
@@ -80,4 +93,4 @@ def generate(model: Transformer,
     finally:
         model.clear_cache()
         model.train(was_training)
-    return out
+    return (out, lps) if logprobs else out

@@ -30,8 +30,8 @@ from .tokenizer import load_tokenizer
 from .train import TrainConfig, Trainer, encode_prompt, load_model_and_tokenizer, stop_ids, _prompt_messages
 
 # %% auto #0
-__all__ = ['TaskReward', 'sample_groups', 'group_advantages', 'grpo_loss', 'GRPOConfig', 'load_reward', 'evaluate_reward',
-           'GRPOTrainer', 'WorkerDied', 'policy_state', 'run_grpo']
+__all__ = ['TaskReward', 'pack_groups', 'tree_mask', 'group_logprobs', 'sample_groups', 'group_advantages', 'grpo_loss',
+           'GRPOConfig', 'load_reward', 'evaluate_reward', 'GRPOTrainer', 'WorkerDied', 'lora_spec', 'run_grpo']
 
 # %% ../nbs/12b_grpo.ipynb #19125617
 class TaskReward:
@@ -40,30 +40,74 @@ class TaskReward:
     def __call__(self, completion: str, row: dict) -> float: return check_answer(self.task, completion, row["answer"])
     def __repr__(self): return f"TaskReward({self.task!r})"
 
+# %% ../nbs/12b_grpo.ipynb #3d084cea
+def pack_groups(prompts: list[list[int]],      # P prompts
+                completions: list[list[int]],  # P*G completions, G per prompt in order, each >= 1 token
+                pad_id: int = 0) -> dict[str, np.ndarray]:
+    "Shared-prefix rows: tokens, positions, segments (P, T); index, labels (P*G, Tc) for `group_logprobs`."
+    P, N = len(prompts), len(completions)
+    if P == 0 or N % P: raise ValueError(f"{N} completions do not split into groups for {P} prompts")
+    if any(len(c) == 0 for c in completions): raise ValueError("every completion needs at least one token")
+    G = N // P
+    T = max(len(p) + sum(len(c) - 1 for c in completions[i * G:(i + 1) * G]) for i, p in enumerate(prompts))
+    Tc = max(len(c) for c in completions)
+    tokens, seg = np.full((P, T), pad_id, np.int64), np.full((P, T), -1, np.int64)  # segment: -1 pad, 0 prompt, k completion k
+    pos, index = np.zeros((P, T), np.int64), np.zeros((N, Tc), np.int64)
+    labels = np.full((N, Tc), IGNORE_INDEX, np.int64)
+    for i, p in enumerate(prompts):
+        L = len(p)
+        tokens[i, :L], seg[i, :L], pos[i, :L] = p, 0, np.arange(L)
+        at = L
+        for k in range(G):
+            n = i * G + k
+            c = completions[n]
+            body = c[:-1]  # the last token is only a label
+            sl = slice(at, at + len(body))
+            tokens[i, sl], seg[i, sl], pos[i, sl] = body, k + 1, L + np.arange(len(body))
+            index[n, :len(c)] = i * T + np.array([L - 1] + list(range(at, at + len(body))))  # who predicts c[j]
+            labels[n, :len(c)] = c
+            at += len(body)
+    return dict(tokens=tokens, positions=pos, segments=seg, index=index, labels=labels)
+
+def tree_mask(segments: torch.Tensor) -> torch.Tensor:
+    "(P, T) segments -> (P, 1, T, T) bool: causal, within a completion or onto its prompt (segment 0), no padding."
+    T = segments.shape[1]
+    i = torch.arange(T, device=segments.device)
+    q, k = segments[:, :, None], segments[:, None, :]
+    m = (i[None, :] <= i[:, None]) & ((k == q) | (k == 0)) & (k >= 0)
+    return (m | torch.eye(T, dtype=torch.bool, device=segments.device))[:, None]  # padding rows see themselves
+
+def group_logprobs(model, b: dict) -> torch.Tensor:
+    "(P*G, Tc) log-prob of each completion token (0 past its end) from one shared-prefix forward of `pack_groups` tensors."
+    h = model(b["tokens"], positions=b["positions"], mask=tree_mask(b["segments"]), return_hidden=True)  # (P, T, dim)
+    return token_logprobs(model.lm_head(h.flatten(0, 1)[b["index"]]), b["labels"])
+
 # %% ../nbs/12b_grpo.ipynb #8179687b
 @torch.no_grad()
 def sample_groups(model, tokenizer, rows: list[dict],  # prompt rows: `messages` (the prompt) and whatever the reward needs
                   group_size: int, reward_fn, max_new_tokens: int = 16, temperature: float = 1.0,
-                  top_k: int | None = None, generator: torch.Generator | None = None) -> dict:
-    "G sampled completions per row with rewards and old log-probs: numpy arrays tokens, labels, attn_mask, old_logprobs, rewards (P, G)."
+                  top_k: int | None = None, generator: torch.Generator | None = None,
+                  reference=None,  # a `Reference` (or any fn -> fn(ref_model)): also return ref_logprobs
+                 ) -> dict:
+    "G sampled completions per row, packed by `pack_groups`, with rewards (P, G) and the sampler's old_logprobs (P*G, Tc)."
+    if max_new_tokens < 1: raise ValueError(f"max_new_tokens={max_new_tokens}: sample at least one token")
     stops, pad = stop_ids(tokenizer), tokenizer.pad_id or 0
-    prompts = [encode_prompt(tokenizer, r["messages"]) for r in rows for _ in range(group_size)]
-    outs = generate(model, prompts, max_new_tokens, temperature=temperature, top_k=top_k, eos_id=stops, pad_id=pad,
-                    generator=generator)
+    prompts = [encode_prompt(tokenizer, r["messages"]) for r in rows]
+    outs, lps = generate(model, prompts, max_new_tokens, temperature=temperature, top_k=top_k, eos_id=stops, pad_id=pad,
+                         generator=generator, logprobs=True, num_samples=group_size)
     texts = [tokenizer.decode([t for t in o if t not in stops], skip_special_tokens=True) for o in outs]
     rewards = [float(reward_fn(t, rows[i // group_size])) for i, t in enumerate(texts)]
-    items = []
-    for p, o in zip(prompts, outs):
-        ids = p + (o or [pad])
-        items.append(dict(tokens=ids, labels=shift_labels(ids, [0] * len(p) + [1] * (len(ids) - len(p)))))
-    b = collate_fn(items, pad_id=pad)
-    dev = model.embed_tokens.weight.device
-    was = model.training; model.eval()
-    old = token_logprobs(model(b["tokens"].to(dev), attn_mask=b["attn_mask"].to(dev)), b["labels"].to(dev)).cpu()
-    model.train(was)
-    return dict(tokens=b["tokens"].numpy(), labels=b["labels"].numpy(), attn_mask=b["attn_mask"].numpy(),
-                old_logprobs=old.numpy(), rewards=np.array(rewards, dtype=np.float32).reshape(len(rows), group_size),
-                completions=texts)
+    ro = pack_groups(prompts, outs, pad)
+    old = np.zeros(ro["labels"].shape, dtype=np.float32)
+    for n, l in enumerate(lps): old[n, :len(l)] = l
+    ro.update(old_logprobs=old, rewards=np.array(rewards, dtype=np.float32).reshape(len(rows), group_size), completions=texts)
+    if reference is not None:
+        dev = model.embed_tokens.weight.device
+        b = {k: torch.as_tensor(ro[k]).to(dev) for k in _PACKED}
+        ro["ref_logprobs"] = reference(lambda m: group_logprobs(m, b)).cpu().numpy()
+    return ro
+
+_PACKED = ("tokens", "positions", "segments", "index", "labels")
 
 # %% ../nbs/12b_grpo.ipynb #704ef267
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
@@ -106,6 +150,7 @@ class GRPOConfig(TrainConfig):
     max_staleness: int = 2             # async: drop rollouts made more than this many versions ago
     sync_every: int = 1                # async: push weights to the generators every N learner steps
     generator_threads: int = 1         # async: torch threads per generator process
+    learner_threads: int | None = None # async: torch threads of the learner (None: the cores the generators leave)
     worker_timeout: float = 120.0      # async: give up when no rollout came for this long
     n_train: int = 1000                # prompts to sample from
     task: str | None = "add"          # synthetic task: the embedded model solves ~45%, so rewards vary within groups
@@ -182,15 +227,19 @@ class GRPOTrainer(Trainer):
 # %% ../nbs/12b_grpo.ipynb #d2324a33
 def _learn(self: GRPOTrainer, ro: dict, t0: float | None = None) -> dict:
     "One optimizer step on a rollout; returns the logged row."
-    c, t0 = self.config, t0 or time.perf_counter()
+    c, t_learn = self.config, time.perf_counter()
+    t0 = t0 or t_learn
     dev = self.model.embed_tokens.weight.device
-    b = {k: torch.as_tensor(ro[k]).to(dev) for k in ("tokens", "labels", "attn_mask", "old_logprobs")}
+    b = {k: torch.as_tensor(ro[k]).to(dev) for k in _PACKED + ("old_logprobs",)}
     mask = b["labels"] != IGNORE_INDEX
     adv = group_advantages(ro["rewards"]).to(dev)
     self.model.train()
-    fwd = lambda m: token_logprobs(m(b["tokens"], attn_mask=b["attn_mask"]), b["labels"])
-    ref = self.reference(fwd)
-    loss, st = grpo_loss(fwd(self.model), b["old_logprobs"], ref, adv, mask, c.clip_eps, c.beta)
+    fwd = lambda m: group_logprobs(m, b)
+    lp = fwd(self.model)
+    if "ref_logprobs" in ro: ref = torch.as_tensor(ro["ref_logprobs"]).to(dev)
+    elif c.beta: ref = self.reference(fwd)
+    else: ref = lp.detach()  # no KL term
+    loss, st = grpo_loss(lp, b["old_logprobs"], ref, adv, mask, c.clip_eps, c.beta)
     loss.backward()
     params = [p for p in self.model.parameters() if p.requires_grad]
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm)) if c.max_grad_norm else None
@@ -201,6 +250,7 @@ def _learn(self: GRPOTrainer, ro: dict, t0: float | None = None) -> dict:
     row = dict(step=self.step, loss=loss.item(), lr=lr, grad_norm=grad_norm, reward=float(ro["rewards"].mean()),
                kl=st["kl"], clip_fraction=st["clip_fraction"], samples=n, staleness=ro.get("staleness", 0),
                tokens=int(mask.sum()), seq_tokens=int(b["tokens"].numel()), seconds=time.perf_counter() - t0,
+               sample_seconds=ro.get("sample_seconds"), learn_seconds=time.perf_counter() - t_learn,
                time=time.perf_counter() - self._start)
     self.metrics.append(row)
     for cb in self.callbacks:
@@ -218,6 +268,7 @@ def _run_sync(self: GRPOTrainer):
         t0 = time.perf_counter()
         ro = sample_groups(self.model, self.tokenizer, self._sample_rows(rng), c.group_size, self.reward_fn,
                            c.max_new_tokens, c.temperature, c.top_k, gen)
+        ro["sample_seconds"] = time.perf_counter() - t0
         self.learn(ro, t0)
 
 GRPOTrainer.learn, GRPOTrainer._sample_rows, GRPOTrainer.run_sync = _learn, _sample_rows, _run_sync
@@ -225,60 +276,89 @@ GRPOTrainer.learn, GRPOTrainer._sample_rows, GRPOTrainer.run_sync = _learn, _sam
 # %% ../nbs/12b_grpo.ipynb #bb5b11e2
 class WorkerDied(RuntimeError): "A generator process exited while the learner was waiting for it."
 
-def policy_state(model) -> dict[str, torch.Tensor]:
-    "The plain model's state dict of `model`, with LoRA adapters merged into their base weights."
+def lora_spec(model) -> dict | None:
+    "apply_lora's options that rebuild `model`'s adapters on a fresh copy of the base model (None: no adapters)."
     from tunebook.lora import lora_modules
-    lora = lora_modules(model)
-    out = {}
-    for k, v in model.state_dict().items():
-        mod = k.rsplit(".", 1)[0]
-        if mod in lora:
-            if k.endswith(".weight") and not any(s in k for s in ("lora_A", "lora_B")): out[k] = lora[mod].merged_weight().detach()
-            elif k == mod + ".bias": out[k] = v
-        elif not any(s in k for s in (".lora_A.", ".lora_B.", "lora_magnitude_vector")): out[k] = v.detach()
-    return out
+    mods = lora_modules(model)
+    if not mods: return None
+    m = next(iter(mods.values()))
+    return dict(rank=m.rank, alpha=m.alpha, dora=m.dora, use_rslora=m.use_rslora, targets=list(mods))
 
-def _generator_worker(rank, model_config, shared, version, lock, tokenizer_dir, rows, reward_fn, opts, out_q, stop, seed):
+def _load_exact(model, state: dict, what: str):
+    "load_state_dict(strict=False), but every key of `state` must land in `model`."
+    bad = model.load_state_dict(state, strict=False).unexpected_keys
+    if bad: raise RuntimeError(f"{what}: keys the generator's model does not have: {bad[:5]}")
+
+def _load_policy(model, shared: dict, lora: dict | None, params: dict):
+    "Load the published policy: adapters merged into the base weights (LoRA), or the whole state (full)."
+    from tunebook.lora import merge_lora, remerge_lora, lora_modules
+    missing = [k for k in shared if k not in params]
+    if missing: raise RuntimeError(f"published tensors the generator's model does not have: {missing[:5]}")
+    for k, v in shared.items(): params[k].data.copy_(v)
+    if lora is None: return
+    if any(m.merged for m in lora_modules(model).values()): remerge_lora(model)
+    else: merge_lora(model, replace=False)
+
+def _generator_worker(rank, model_config, lora, ref_state, shared, version, lock, tokenizer_dir, rows, reward_fn, opts,
+                      out_q, stop, seed):
     "A generator process: sample rollouts with the newest pushed weights until `stop` is set."
+    from tunebook.lora import apply_lora
     torch.set_num_threads(opts["threads"])
     torch.manual_seed(seed)
     model = build_model(model_config, init=False)
+    _load_exact(model, ref_state, "reference")
+    if lora is not None: apply_lora(model, **lora)
+    reference = Reference(model, "full" if lora is None else "lora") if opts["beta"] else None  # full: a copy, now
+    params = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
     tok, rng, gen, mine = load_tokenizer(tokenizer_dir), random.Random(seed), torch.Generator().manual_seed(seed), -1
     while not stop.is_set():
         if version.value != mine:
             with lock:
-                model.load_state_dict(shared, strict=False); mine = version.value
+                _load_policy(model, shared, lora, params); mine = version.value
+        t0 = time.perf_counter()
         ro = sample_groups(model, tok, [rows[rng.randrange(len(rows))] for _ in range(opts["prompts_per_step"])],
-                           opts["group_size"], reward_fn, opts["max_new_tokens"], opts["temperature"], opts["top_k"], gen)
-        ro.update(version=mine, worker=rank, made=time.time())
+                           opts["group_size"], reward_fn, opts["max_new_tokens"], opts["temperature"], opts["top_k"], gen,
+                           reference=reference)
+        ro.update(version=mine, worker=rank, made=time.time(), sample_seconds=time.perf_counter() - t0)
         while not stop.is_set():
             try: out_q.put(ro, timeout=0.2); break
             except queue_mod.Full: continue
 
 # %% ../nbs/12b_grpo.ipynb #8964902c
+def _published(self: GRPOTrainer) -> dict[str, torch.Tensor]:
+    "What the generators need after each update: the adapter tensors (LoRA/DoRA) or the whole state (full)."
+    from tunebook.lora import lora_state_dict
+    return lora_state_dict(self.model) if self._lora is not None else self.model.state_dict()
+
 def _start_workers(self: GRPOTrainer):
+    from tunebook.lora import lora_state_dict
     c = self.config
     ctx = mp.get_context("spawn")
     self._tmp = Path(tempfile.mkdtemp(prefix="grpo-tok-"))
     self.tokenizer.save(self._tmp)
-    state = policy_state(self.model)
-    self._shared = {k: v.detach().to("cpu").clone().share_memory_() for k, v in state.items()}
+    self._lora = lora_spec(self.model)
+    if self._lora is None: ref = (self.reference.copy or self.model).state_dict()
+    else:
+        adapters = lora_state_dict(self.model)
+        ref = {k: v for k, v in self.model.state_dict().items() if k not in adapters}
+    share = lambda d: {k: v.detach().to("cpu").clone().share_memory_() for k, v in d.items()}
+    self._sources = self.published()  # views of the live tensors: the optimizer updates them in place
+    ref_state, self._shared = share(ref), share(self._sources)
     self._version_v, self._lock, self._stop_ev = ctx.Value("i", self.version), ctx.Lock(), ctx.Event()
     self._queue = ctx.Queue(maxsize=c.queue_size)
     opts = dict(threads=c.generator_threads, prompts_per_step=c.prompts_per_step, group_size=c.group_size,
-                max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_k=c.top_k)
+                max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_k=c.top_k, beta=c.beta)
     cfg = self.model.config
     self.workers = [ctx.Process(target=_generator_worker, daemon=True, name=f"grpo-generator-{r}",
-                                args=(r, cfg, self._shared, self._version_v, self._lock, str(self._tmp), self.prompts,
-                                      self.reward_fn, opts, self._queue, self._stop_ev, c.seed + 1000 * (r + 1)))
+                                args=(r, cfg, self._lora, ref_state, self._shared, self._version_v, self._lock, str(self._tmp),
+                                      self.prompts, self.reward_fn, opts, self._queue, self._stop_ev, c.seed + 1000 * (r + 1)))
                     for r in range(c.num_generators)]
     for w in self.workers: w.start()
 
 def _push_weights(self: GRPOTrainer):
-    "Copy the policy into shared memory and publish its version."
-    state = policy_state(self.model)
+    "Copy what the generators need into shared memory and publish its version."
     with self._lock:
-        for k, v in state.items(): self._shared[k].copy_(v)
+        for k, v in self._sources.items(): self._shared[k].copy_(v)
         self._version_v.value = self.version
 
 def _check_workers(self: GRPOTrainer):
@@ -302,9 +382,15 @@ def _stop_workers(self: GRPOTrainer, timeout: float = 10.0):
     self._queue.cancel_join_thread(); self._queue.close()
     shutil.rmtree(self._tmp, ignore_errors=True)
 
+def _cores() -> int:
+    try: return len(os.sched_getaffinity(0))
+    except AttributeError: return os.cpu_count() or 1
+
 def _run_async(self: GRPOTrainer):
     "Learn from the generators' rollouts until max_steps; rollouts older than max_staleness are dropped."
     c = self.config
+    threads = torch.get_num_threads()
+    torch.set_num_threads(c.learner_threads or max(1, _cores() - c.num_generators * c.generator_threads))
     self.start_workers()
     try:
         waited, t0 = 0.0, time.perf_counter()
@@ -325,7 +411,9 @@ def _run_async(self: GRPOTrainer):
             t0 = time.perf_counter()
     finally:
         self.stop_workers()
+        torch.set_num_threads(threads)
 
+GRPOTrainer.published = _published
 GRPOTrainer.start_workers, GRPOTrainer.push_weights, GRPOTrainer.check_workers = _start_workers, _push_weights, _check_workers
 GRPOTrainer.stop_workers, GRPOTrainer.run_async = _stop_workers, _run_async
 

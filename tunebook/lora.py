@@ -23,7 +23,7 @@ from .core import check_dir, read_json
 # %% auto #0
 __all__ = ['NF4_LEVELS', 'nf4_quantize', 'nf4_dequantize', 'FrozenLinear', 'LoRALinear', 'lora_modules', 'apply_lora',
            'lora_bytes', 'quantize_base', 'merged_weight', 'merge_lora', 'unmerge_lora', 'disable_adapters',
-           'lora_state_dict', 'save_adapter', 'load_adapter']
+           'remerge_lora', 'lora_state_dict', 'save_adapter', 'load_adapter']
 
 # %% ../nbs/06_lora.ipynb #a77d8ab8
 def _nf4_levels() -> torch.Tensor:
@@ -375,6 +375,19 @@ def disable_adapters(model: nn.Module):
     try: yield model
     finally:
         for m, d in zip(mods, old): m.disabled = d
+
+# %% ../nbs/06_lora.ipynb #b7600347
+@torch.no_grad()
+def remerge_lora(model: nn.Module) -> nn.Module:
+    "Refresh, in place, the weights of `merge_lora(model, replace=False)` after the adapters changed."
+    mods = [m for m in lora_modules(model).values() if m.merged]
+    if not mods: raise ValueError("remerge_lora: no merged LoRA layers; call merge_lora(model, replace=False) first.")
+    for m in mods:  # merge_lora refuses quantized bases in place, so W0 is a plain tensor of the weight's dtype
+        W0, out = m.__dict__["_unmerged"], m.weight
+        torch.addmm(W0, m.lora_B.weight.to(W0.dtype), m.lora_A.weight.to(W0.dtype), alpha=m.scaling, out=out)
+        if m.lora_magnitude_vector is not None:  # DoRA: m / ||W + s B A|| per row
+            out.mul_((m.lora_magnitude_vector / torch.linalg.norm(out, dim=1)).view(-1, 1).to(out.dtype))
+    return model
 
 # %% ../nbs/06_lora.ipynb #a5215519
 _KINDS = ("lora_A.weight", "lora_B.weight", "lora_magnitude_vector")

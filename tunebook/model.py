@@ -103,14 +103,16 @@ class Transformer(nn.Module):
                 positions: torch.Tensor | None = None,        # (B, T); default: cache_size + arange(T)
                 attn_mask: torch.Tensor | None = None,        # (B, S) 1 = real token, 0 = padding
                 doc_ids: torch.Tensor | None = None,          # (B, T) document ids of packed sequences
+                mask: torch.Tensor | None = None,             # (B, 1, T, S) bool, ready-made (overrides the two above)
                 return_hidden: bool = False,                  # stop before lm_head
                 ) -> torch.Tensor:                            # (B, T, vocab) logits or (B, T, dim)
         B, T = tokens.shape
         start = self.cache_size
         if positions is None:
             positions = torch.arange(start, start + T, device=tokens.device)[None].expand(B, T)
-        mask = None
-        if attn_mask is not None or doc_ids is not None or start > 0:
+        if mask is not None and (attn_mask is not None or doc_ids is not None):
+            raise ValueError("pass either a ready-made mask or attn_mask/doc_ids, not both")
+        if mask is None and (attn_mask is not None or doc_ids is not None or start > 0):
             mask = build_mask(T, start + T, attn_mask, doc_ids, device=tokens.device)
         cos, sin = self.rope(positions)
         h = self.embed_tokens(tokens)  # (B, T, dim)
