@@ -155,7 +155,7 @@ class GRPOConfig(TrainConfig):
     n_train: int = 1000                # prompts to sample from
     task: str | None = "add"          # synthetic task: the embedded model solves ~45%, so rewards vary within groups
     lr: float = 5e-4                   # 2e-3 lowered the held-out reward of the embedded model
-    max_steps: int = 100
+    max_steps: int = 300               # ~35 s on 2 cores: held-out reward 0.50 -> 0.58 (100 steps: 0.55)
     warmup_steps: int = 0
     schedule: str = "constant"
     max_new_tokens: int = 8
