@@ -193,12 +193,7 @@ class DistillTrainer(Trainer):
         if c.activation_checkpointing:
             from tunebook.memory import apply_activation_checkpointing
             apply_activation_checkpointing(self.model)
-        self._build_optimizer()
-        from tunebook.core import count_params
-        self.n_trainable = count_params(self.model, trainable_only=True)
-        self.is_setup = True
-        if c.resume: self.load_checkpoint()
-        return self
+        return self._finish_setup()
 
     def _dataset(self, split: str, n: int):
         c = self.config

@@ -167,12 +167,7 @@ class DPOTrainer(Trainer):
         self._apply_method()
         self.loss_fn = None
         self.reference = Reference(self.model, "full" if c.method == "full" else "lora")
-        self._build_optimizer()
-        from tunebook.core import count_params
-        self.n_trainable = count_params(self.model, trainable_only=True)
-        self.is_setup = True
-        if c.resume: self.load_checkpoint()
-        return self
+        return self._finish_setup()
 
 # %% ../nbs/12_dpo.ipynb #d5942e4a
 def _pair_batch(self: DPOTrainer, g: int) -> dict:

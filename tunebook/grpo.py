@@ -218,10 +218,8 @@ class GRPOTrainer(Trainer):
         self.rows, self.n_batches, self.loss_fn = self.prompts, 1, None
         self._apply_method()
         self.reference = Reference(self.model, "full" if c.method == "full" else "lora")
-        self._build_optimizer()
-        self.n_trainable = count_params(self.model, trainable_only=True)
-        self.is_setup = True
-        if c.resume: self.load_checkpoint(); self.version = self.step
+        self._finish_setup()
+        self.version = self.step  # a resumed run's weights are that step's
         return self
 
 # %% ../nbs/12b_grpo.ipynb #d2324a33

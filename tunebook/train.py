@@ -232,10 +232,14 @@ class Trainer:
         if self.world > 1:
             from tunebook.distributed import shard_model
             shard_model(self.model)
+        return self._finish_setup()
+
+    def _finish_setup(self):
+        "The end of every trainer's setup (the RL trainers' too): optimizer, trainable count, then resume."
         self._build_optimizer()
         self.n_trainable = count_params(self.model, trainable_only=True)
         self.is_setup = True
-        if c.resume: self.load_checkpoint()
+        if self.config.resume: self.load_checkpoint()
         return self
 
     def _apply_method(self):
