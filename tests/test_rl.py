@@ -220,3 +220,19 @@ def test_grpo_async_generators_sample_the_learners_policy(tiny, tmp_path, method
     assert max(d for _, d, _ in t.diffs) < 1e-4, t.diffs
     assert max(r for _, _, r in t.diffs) < 1e-4, t.diffs
     assert t.metrics[-1]["kl"] > 0   # the policy did move away from the reference
+
+
+def test_widget_stop_ends_an_async_grpo_run(tiny, tmp_path):
+    """LiveRun (the run builder's engine) runs a GRPOConfig with GRPOTrainer; its Stop ends the generator
+    processes and the run keeps a checkpoint and its outputs."""
+    from tunebook.widgets import LiveRun
+    path, task = tiny
+    run = LiveRun(_grpo_cfg(path, task, tmp_path, async_mode=True, max_steps=10_000, eval_samples=4)).start()
+    deadline = time.time() + 120
+    while len(run.rows) < 2 and run.status != "failed" and time.time() < deadline: time.sleep(0.1)
+    assert run.error is None and len(run.rows) >= 2, (run.status, run.error)
+    run.stop(); run.thread.join(60)
+    assert not run.thread.is_alive() and run.status == "stopped", (run.status, run.error)
+    assert type(run.trainer).__name__ == "GRPOTrainer" and run.trainer.workers
+    assert all(not w.is_alive() for w in run.trainer.workers)
+    assert list((tmp_path / "checkpoints").glob("step_*")) and (tmp_path / "summary.json").exists()

@@ -599,4 +599,5 @@ d = { 'settings': { 'branch': 'main',
                                   'tunebook.widgets.model_config': ('widgets.html#model_config', 'tunebook/widgets.py'),
                                   'tunebook.widgets.models_by_size': ('widgets.html#models_by_size', 'tunebook/widgets.py'),
                                   'tunebook.widgets.rough_estimate': ('widgets.html#rough_estimate', 'tunebook/widgets.py'),
-                                  'tunebook.widgets.step_memory': ('widgets.html#step_memory', 'tunebook/widgets.py')}}}
+                                  'tunebook.widgets.step_memory': ('widgets.html#step_memory', 'tunebook/widgets.py'),
+                                  'tunebook.widgets.trainer_for': ('widgets.html#trainer_for', 'tunebook/widgets.py')}}}

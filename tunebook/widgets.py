@@ -25,7 +25,7 @@ from .model import BUILDERS, ModelConfig, get_config
 from .train import TrainConfig, Trainer
 
 # %% auto #0
-__all__ = ['COLORS', 'GPU_GIB', 'GiB', 'COMBOS', 'loss_png', 'memory_png', 'step_memory', 'LiveRun', 'RunBuilder',
+__all__ = ['COLORS', 'GPU_GIB', 'GiB', 'COMBOS', 'loss_png', 'memory_png', 'step_memory', 'trainer_for', 'LiveRun', 'RunBuilder',
            'MemoryEstimate', 'memory_module', 'model_config', 'rough_estimate', 'estimate_memory', 'estimator_options',
            'ablation_png', 'models_by_size', 'AblationLab', 'compare_techniques', 'compare_png', 'Compare']
 
@@ -101,6 +101,15 @@ def step_memory(trainer) -> dict:
     return out
 
 # %% ../nbs/13_widgets.ipynb #866fedcb
+def trainer_for(config: TrainConfig) -> type:
+    "The trainer class for `config`: GRPO, DPO and distillation configs get theirs, any other `Trainer`."
+    from tunebook.distill import DistillConfig, DistillTrainer
+    from tunebook.dpo import DPOConfig, DPOTrainer
+    from tunebook.grpo import GRPOConfig, GRPOTrainer
+    for cfg, trainer in ((GRPOConfig, GRPOTrainer), (DPOConfig, DPOTrainer), (DistillConfig, DistillTrainer)):
+        if isinstance(config, cfg): return trainer
+    return Trainer
+
 class LiveRun:
     "Train `config` in a background thread; rows, memory, evals, status and error are plain attributes."
     def __init__(self, config: TrainConfig, loader=None, on_update=None):
@@ -123,7 +132,7 @@ class LiveRun:
             self.status = "loading model and data"; self._notify()
             kw = {}
             if self.loader is not None: kw["model"], kw["tokenizer"] = self.loader(self.config)
-            self.trainer = Trainer(self.config, callbacks=[self], **kw)
+            self.trainer = trainer_for(self.config)(self.config, callbacks=[self], **kw)
             self.trainer.setup()
             self.status = "evaluating before training"; self._notify()
             self.summary = self.trainer.fit(progress=False)
