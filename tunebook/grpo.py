@@ -6,14 +6,12 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import queue as queue_mod
 import random
 import shutil
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from .core import count_params, seed_everything
-from .data import IGNORE_INDEX, check_answer, collate_fn, get_task, make_task, shift_labels
+from .data import IGNORE_INDEX, check_answer, get_task, make_task
 from .dpo import Reference, token_logprobs
 from .generate import generate
 from .model import build_model
