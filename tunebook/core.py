@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['get_device', 'get_dtype', 'dtype_name', 'seed_everything', 'count_params', 'human_bytes', 'human_count', 'check_dir',
-           'check_file', 'read_json']
+__all__ = ['get_device', 'cpu_cores', 'get_dtype', 'dtype_name', 'seed_everything', 'count_params', 'human_bytes', 'human_count',
+           'check_dir', 'check_file', 'read_json']
 
 # %% ../nbs/00_core.ipynb #4d675502
 def get_device(device: str | torch.device | None = "auto") -> torch.device:
@@ -26,6 +26,10 @@ def get_device(device: str | torch.device | None = "auto") -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r} was asked for, but CUDA is not available here; use 'cpu' or 'auto'.")
     return dev
+
+def cpu_cores() -> int:
+    "CPU cores this process may run on (its affinity mask where the OS has one, else all of them)."
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 # %% ../nbs/00_core.ipynb #5460e801
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "float": torch.float32,

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
 
 from .checkpoint import publish_dir, save_hf
-from .core import get_dtype
+from .core import cpu_cores, get_dtype
 from .lora import apply_lora, merge_lora
 from .model import ModelConfig, TransformerBlock, build_model, get_config
 from .optim import InBackwardOptimizer
@@ -124,7 +124,7 @@ def default_backend() -> str:
 def max_processes(backend: str) -> int:
     "How many ranks `launch` allows: GPUs for `nccl`, usable CPU cores for `gloo`."
     if backend == "nccl": return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cpu_cores()
 
 def _check_launch(nproc, backend):
     if backend not in ("gloo", "nccl"): raise ValueError(f"backend must be 'gloo', 'nccl' or None (auto), got {backend!r}.")

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import json
-import os
 import queue as queue_mod
 import random
 import shutil
@@ -19,7 +18,7 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-from .core import count_params, seed_everything
+from .core import count_params, cpu_cores, seed_everything
 from .data import IGNORE_INDEX, check_answer, get_task, make_task
 from .dpo import Reference, token_logprobs
 from .generate import generate
@@ -280,17 +279,20 @@ def lora_spec(model) -> dict | None:
     m = next(iter(mods.values()))
     return dict(rank=m.rank, alpha=m.alpha, dora=m.dora, use_rslora=m.use_rslora, targets=list(mods))
 
-def _load_exact(model, state: dict, what: str):
-    "load_state_dict(strict=False), but every key of `state` must land in `model`."
-    bad = model.load_state_dict(state, strict=False).unexpected_keys
-    if bad: raise RuntimeError(f"{what}: keys the generator's model does not have: {bad[:5]}")
+def _tensors(model) -> dict[str, torch.Tensor]:
+    "Every parameter and buffer of `model` by state-dict name (tied weights under each of their names)."
+    return {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+
+def _copy_state(tensors: dict, state: dict, what: str):
+    "Copy `state` into `tensors` (from `_tensors`); every key of `state` must be there."
+    missing = [k for k in state if k not in tensors]
+    if missing: raise RuntimeError(f"{what} tensors the generator's model does not have: {missing[:5]}")
+    for k, v in state.items(): tensors[k].data.copy_(v)
 
 def _load_policy(model, shared: dict, lora: dict | None, params: dict):
     "Load the published policy: adapters merged into the base weights (LoRA), or the whole state (full)."
     from tunebook.lora import merge_lora, remerge_lora, lora_modules
-    missing = [k for k in shared if k not in params]
-    if missing: raise RuntimeError(f"published tensors the generator's model does not have: {missing[:5]}")
-    for k, v in shared.items(): params[k].data.copy_(v)
+    _copy_state(params, shared, "published")
     if lora is None: return
     if any(m.merged for m in lora_modules(model).values()): remerge_lora(model)
     else: merge_lora(model, replace=False)
@@ -302,10 +304,10 @@ def _generator_worker(rank, model_config, lora, ref_state, shared, version, lock
     torch.set_num_threads(opts["threads"])
     torch.manual_seed(seed)
     model = build_model(model_config, init=False)
-    _load_exact(model, ref_state, "reference")
+    _copy_state(_tensors(model), ref_state, "reference")
     if lora is not None: apply_lora(model, **lora)
     reference = Reference(model, "full" if lora is None else "lora") if opts["beta"] else None  # full: a copy, now
-    params = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    params = _tensors(model)
     tok, rng, gen, mine = load_tokenizer(tokenizer_dir), random.Random(seed), torch.Generator().manual_seed(seed), -1
     while not stop.is_set():
         if version.value != mine:
@@ -321,11 +323,6 @@ def _generator_worker(rank, model_config, lora, ref_state, shared, version, lock
             except queue_mod.Full: continue
 
 # %% ../nbs/12b_grpo.ipynb #8964902c
-def _published(self: GRPOTrainer) -> dict[str, torch.Tensor]:
-    "What the generators need after each update: the adapter tensors (LoRA/DoRA) or the whole state (full)."
-    from tunebook.lora import lora_state_dict
-    return lora_state_dict(self.model) if self._lora is not None else self.model.state_dict()
-
 def _start_workers(self: GRPOTrainer):
     from tunebook.lora import lora_state_dict
     c = self.config
@@ -333,12 +330,12 @@ def _start_workers(self: GRPOTrainer):
     self._tmp = Path(tempfile.mkdtemp(prefix="grpo-tok-"))
     self.tokenizer.save(self._tmp)
     self._lora = lora_spec(self.model)
-    if self._lora is None: ref = (self.reference.copy or self.model).state_dict()
-    else:
-        adapters = lora_state_dict(self.model)
-        ref = {k: v for k, v in self.model.state_dict().items() if k not in adapters}
+    # what the generators need after each update: the adapters (LoRA/DoRA) or the whole state (full); these are
+    # views of the live tensors, which the optimizer updates in place
+    self._sources = self.model.state_dict() if self._lora is None else lora_state_dict(self.model)
+    ref = (self.reference.copy or self.model).state_dict() if self._lora is None else \
+        {k: v for k, v in self.model.state_dict().items() if k not in self._sources}
     share = lambda d: {k: v.detach().to("cpu").clone().share_memory_() for k, v in d.items()}
-    self._sources = self.published()  # views of the live tensors: the optimizer updates them in place
     ref_state, self._shared = share(ref), share(self._sources)
     self._version_v, self._lock, self._stop_ev = ctx.Value("i", self.version), ctx.Lock(), ctx.Event()
     self._queue = ctx.Queue(maxsize=c.queue_size)
@@ -378,15 +375,11 @@ def _stop_workers(self: GRPOTrainer, timeout: float = 10.0):
     self._queue.cancel_join_thread(); self._queue.close()
     shutil.rmtree(self._tmp, ignore_errors=True)
 
-def _cores() -> int:
-    try: return len(os.sched_getaffinity(0))
-    except AttributeError: return os.cpu_count() or 1
-
 def _run_async(self: GRPOTrainer):
     "Learn from the generators' rollouts until max_steps; rollouts older than max_staleness are dropped."
     c = self.config
     threads = torch.get_num_threads()
-    torch.set_num_threads(c.learner_threads or max(1, _cores() - c.num_generators * c.generator_threads))
+    torch.set_num_threads(c.learner_threads or max(1, cpu_cores() - c.num_generators * c.generator_threads))
     self.start_workers()
     try:
         waited, t0 = 0.0, time.perf_counter()
@@ -409,7 +402,6 @@ def _run_async(self: GRPOTrainer):
         self.stop_workers()
         torch.set_num_threads(threads)
 
-GRPOTrainer.published = _published
 GRPOTrainer.start_workers, GRPOTrainer.push_weights, GRPOTrainer.check_workers = _start_workers, _push_weights, _check_workers
 GRPOTrainer.stop_workers, GRPOTrainer.run_async = _stop_workers, _run_async
 
