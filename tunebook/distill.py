@@ -144,16 +144,16 @@ class DistillConfig(TrainConfig):
     eval_samples: int = 50
     output_dir: str = "runs/distill"
 
-    def validate(self) -> "DistillConfig":
-        super().validate()
-        bad = []
+    _kind = "distillation"
+
+    def problems(self) -> list[str]:
+        bad = super().problems()
         if self.kl_weight < 0 or self.ce_weight < 0 or self.kl_weight + self.ce_weight == 0:
             bad.append(f"kl_weight={self.kl_weight}, ce_weight={self.ce_weight}: both >= 0 and not both 0")
         if self.temperature <= 0: bad.append(f"temperature={self.temperature} must be > 0")
         if self.kl_chunks < 1: bad.append(f"kl_chunks={self.kl_chunks} must be >= 1")
         if self.packing: bad.append("packing is not supported for distillation")
-        if bad: raise ValueError("invalid distillation options:\n  - " + "\n  - ".join(bad))
-        return self
+        return bad
 
 # %% ../nbs/12a_distill.ipynb #06de48e8
 class DistillTrainer(Trainer):

@@ -114,14 +114,14 @@ class DPOConfig(TrainConfig):
     eval_samples: int = 50
     output_dir: str = "runs/dpo"
 
-    def validate(self) -> "DPOConfig":
-        super().validate()
-        bad = []
+    _kind = "DPO"
+
+    def problems(self) -> list[str]:
+        bad = super().problems()
         if self.beta <= 0: bad.append(f"beta={self.beta} must be > 0")
         if not 0 <= self.label_smoothing < 0.5: bad.append(f"label_smoothing={self.label_smoothing} must be in [0, 0.5)")
         if self.chunked_ce or self.packing: bad.append("DPO scores whole sequences: chunked_ce and packing are not supported")
-        if bad: raise ValueError("invalid DPO options:\n  - " + "\n  - ".join(bad))
-        return self
+        return bad
 
 # %% ../nbs/12_dpo.ipynb #82a80c6e
 def load_pairs(cfg: DPOConfig, tokenizer):

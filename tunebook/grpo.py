@@ -159,9 +159,10 @@ class GRPOConfig(TrainConfig):
     eval_samples: int = 200
     output_dir: str = "runs/grpo"
 
-    def validate(self) -> "GRPOConfig":
-        super().validate()
-        bad = []
+    _kind = "GRPO"
+
+    def problems(self) -> list[str]:
+        bad = super().problems()
         if self.group_size < 2: bad.append(f"group_size={self.group_size} must be >= 2 (advantages compare within a group)")
         if self.prompts_per_step < 1: bad.append(f"prompts_per_step={self.prompts_per_step} must be >= 1")
         if self.temperature <= 0: bad.append(f"temperature={self.temperature} must be > 0: greedy groups are all alike")
@@ -169,8 +170,7 @@ class GRPOConfig(TrainConfig):
             bad.append("max_staleness >= 0, queue_size >= 1, sync_every >= 1 and num_generators >= 1 are required")
         if self.method == "qlora": bad.append("GRPO supports method full, lora and dora")
         if self.reward is not None and ":" not in self.reward: bad.append(f"reward={self.reward!r}: use 'module:function'")
-        if bad: raise ValueError("invalid GRPO options:\n  - " + "\n  - ".join(bad))
-        return self
+        return bad
 
 def load_reward(spec: str | None, task: str):
     "The reward function that `spec` ('module:function') names, or the task's checker."

@@ -91,8 +91,16 @@ class TrainConfig:
     def __post_init__(self):
         self.lora_targets = tuple(self.lora_targets.split(",")) if isinstance(self.lora_targets, str) else tuple(self.lora_targets)
 
+    _kind = "training"  # names the options in the error
+
     def validate(self) -> "TrainConfig":
-        "Refuse impossible options before any work is done."
+        "Refuse impossible options before any work is done: every problem in one error."
+        bad = self.problems()
+        if bad: raise ValueError(f"invalid {self._kind} options:\n  - " + "\n  - ".join(bad))
+        return self
+
+    def problems(self) -> list[str]:
+        "What is wrong with these options, each with its fix (subclasses add theirs to the list)."
         bad = []
         if self.method not in ("full", "lora", "dora", "qlora"): bad.append(f"method={self.method!r}: use full, lora, dora or qlora")
         for k in ("max_steps", "batch_size", "grad_accum_steps", "max_seq_len"):
@@ -112,8 +120,7 @@ class TrainConfig:
             bad.append(f"batch_size={self.batch_size} must be a multiple of nproc={self.nproc} (each process takes an equal share)")
         if self.nproc > 1 and self.method == "qlora": bad.append("qlora is not supported with nproc > 1 (NF4 weights do not shard)")
         if self.nproc > 1 and self.activation_offloading: bad.append("activation_offloading is not supported with nproc > 1 yet")
-        if bad: raise ValueError("invalid training options:\n  - " + "\n  - ".join(bad))
-        return self
+        return bad
 
     def to_dict(self) -> dict: return dataclasses.asdict(self)
 
