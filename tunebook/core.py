@@ -15,7 +15,7 @@ import torch
 
 # %% auto #0
 __all__ = ['get_device', 'cpu_cores', 'get_dtype', 'dtype_name', 'seed_everything', 'count_params', 'human_bytes', 'human_count',
-           'check_dir', 'check_file', 'read_json']
+           'patch', 'check_dir', 'check_file', 'read_json']
 
 # %% ../nbs/00_core.ipynb #4d675502
 def get_device(device: str | torch.device | None = "auto") -> torch.device:
@@ -77,6 +77,20 @@ def human_count(n: float) -> str:
     for div, suf in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
         if abs(n) >= div: return f"{n / div:.3g}{suf}"
     return str(int(n))
+
+# %% ../nbs/00_core.ipynb #d1db5e9f
+def patch(f=None, *, as_prop: bool = False):
+    "Add `f` to the class its first parameter is annotated with, as a method (or a property)."
+    def deco(f):
+        first = f.__code__.co_varnames[0] if f.__code__.co_argcount else None
+        cls = f.__annotations__.get(first) if first else None
+        if isinstance(cls, str): cls = eval(cls, f.__globals__)  # `from __future__ import annotations`
+        if not isinstance(cls, type):
+            raise TypeError(f"patch: annotate the first argument of {f.__name__} with the class it belongs to.")
+        f.__qualname__ = f"{cls.__name__}.{f.__name__}"
+        setattr(cls, f.__name__, property(f) if as_prop else f)
+        return f
+    return deco(f) if f is not None else deco
 
 # %% ../nbs/00_core.ipynb #74499003
 def check_dir(path, what: str = "folder") -> Path:
