@@ -20,9 +20,10 @@ $(VENV)/.installed: settings.ini setup.py
 demo: install
 	$(BIN)/tunebook finetune
 
-# check: notebooks clean and in sync with tunebook/, README made from index.ipynb
+# check: notebooks clean and in sync with tunebook/, README made from index.ipynb, no upward import between layers
 check: install
 	$(PY) tools/check_sync.py
+	$(PY) tools/check_layers.py
 
 notebooks: install
 	OMP_NUM_THREADS=1 $(BIN)/nbdev_test --path nbs --flags "$(FLAGS)" --n_workers 2 --timing

@@ -39,7 +39,8 @@ setuptools.setup(
     include_package_data=True,
     package_data={s["lib_path"]: ["assets/*", "assets/**/*"]},
     install_requires=s.get("requirements", "").split(),
-    extras_require={"dev": s.get("dev_requirements", "").split(), "bench": s.get("bench_requirements", "").split()},
+    # each `<name>_requirements` line of settings.ini is the extra `tunebook[<name>]`
+    extras_require={k.removesuffix("_requirements"): v.split() for k, v in s.items() if k.endswith("_requirements")},
     entry_points={"console_scripts": s.get("console_scripts", "").split(), "nbdev": [f"{s['lib_path']}={s['lib_path']}._modidx:d"]},
     zip_safe=False,
 )

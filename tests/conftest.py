@@ -21,12 +21,22 @@ def hf_model(arch="llama", seed=0, **kw):
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
     base.update(kw)
     cls, cfg_cls = {"llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
-                    "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config)}[arch]
+                    "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
+                    "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config),
+                    "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig),
+                    "gemma3_text": (transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig),
+                    "phi3": (transformers.Phi3ForCausalLM, transformers.Phi3Config),
+                    "smollm3": (transformers.SmolLM3ForCausalLM, transformers.SmolLM3Config)}[arch]
+    if arch == "qwen3": base.setdefault("head_dim", base["hidden_size"] // base["num_attention_heads"])
+    if arch == "gemma3_text":
+        base.setdefault("head_dim", base["hidden_size"] // base["num_attention_heads"])
+        base.setdefault("query_pre_attn_scalar", base["head_dim"])
+    if arch in ("qwen3", "gemma3_text", "phi3", "mistral", "smollm3"): base.setdefault("pad_token_id", 0)
     model = cls(cfg_cls(**base)).eval()
     # transformers initialises norms to one and biases to zero: randomise them so the test sees them
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if n.endswith("norm.weight"): p.add_(0.1 * torch.randn_like(p))
+            if n.endswith("norm.weight"): p.add_(0.1 * torch.randn_like(p))  # q_norm/k_norm and Gemma's four norms too
             if n.endswith(".bias"): p.normal_(0, 0.1)
     return model
 

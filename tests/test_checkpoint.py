@@ -19,14 +19,74 @@ def _logits(model, tokens):
 
 @pytest.mark.parametrize("arch,kw", [("llama", dict(rope_scaling=LLAMA3_ROPE, rope_theta=500000.0)),
                                      ("llama", dict(tie_word_embeddings=True)),
-                                     ("qwen2", dict())])
+                                     ("qwen2", dict()),
+                                     ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+                                     ("qwen3", dict(head_dim=32, tie_word_embeddings=True)),
+                                     ("qwen3", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+                                     ("mistral", dict(sliding_window=4)),
+                                     ("gemma3_text", dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                                                          query_pre_attn_scalar=24, final_logit_softcapping=5.0)),
+                                     ("gemma3_text", dict(sliding_window=4, num_hidden_layers=3, tie_word_embeddings=False,
+                                                          rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5},
+                                                                           "sliding_attention": {"rope_type": "default", "rope_theta": 1e3}})),
+                                     ("phi3", dict(sliding_window=5)),
+                                     ("phi3", dict(partial_rotary_factor=0.5, tie_word_embeddings=True)),
+                                     ("phi3", dict(max_position_embeddings=256, original_max_position_embeddings=8,
+                                                   rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 1.2] * 2,
+                                                                 "long_factor": [3.0, 5.0, 2.0, 9.0] * 2})),
+                                     ("smollm3", dict(num_hidden_layers=4)),
+                                     ("smollm3", dict(num_hidden_layers=2, no_rope_layers=[0, 1], use_sliding_window=True, sliding_window=4))])
 def test_save_hf_loads_in_transformers(make_hf, tmp_path, arch, kw):
     hf, d = make_hf(arch, **kw)
     ours = load_hf(d)
     out = save_hf(ours, tmp_path / "ours")
     back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(back) is type(hf)
     tokens = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(0))
     assert (_logits(back, tokens) - _logits(hf, tokens)).abs().max().item() == 0.0
+    assert (_logits(ours, tokens) - _logits(hf, tokens)).abs().max().item() <= TOL
+
+
+def test_old_and_new_rope_spellings(make_hf, tmp_path):
+    """transformers 5 writes rope_parameters (per layer type for Gemma 3); the 4.x spelling loads the same model."""
+    hf, d = make_hf("gemma3_text", sliding_window=4, num_hidden_layers=3,
+                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e3}})
+    cfg = json.loads((d / "config.json").read_text())
+    assert "full_attention" in cfg["rope_parameters"]
+    old = {k: v for k, v in cfg.items() if k not in ("rope_parameters", "layer_types")}
+    old.update(rope_theta=1e5, rope_local_base_freq=1e3, rope_scaling={"type": "linear", "factor": 2.0}, sliding_window_pattern=6)
+    (d / "config.json").write_text(json.dumps(old))
+    tokens = torch.randint(0, 256, (1, 11), generator=torch.Generator().manual_seed(0))
+    assert (_logits(load_hf(d), tokens) - _logits(hf, tokens)).abs().max().item() <= TOL
+    back = transformers.AutoModelForCausalLM.from_pretrained(d).eval()  # and transformers reads it the same way
+    assert (_logits(back, tokens) - _logits(hf, tokens)).abs().max().item() == 0.0
+
+
+def test_multimodal_gemma3_loads_its_text_decoder(tmp_path):
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration: load_hf takes the language model (skipping the vision
+    tower), equal to transformers' multimodal model on text; save_hf writes it as a Gemma3ForCausalLM."""
+    torch.manual_seed(0)
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299,
+                                    boi_token_index=297, eoi_token_index=298)
+    mm = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for n, p in mm.named_parameters():
+            if n.endswith("norm.weight"): p.add_(0.1 * torch.randn_like(p))
+    mm.save_pretrained(tmp_path / "mm")
+    ours = load_hf(tmp_path / "mm")
+    assert ours.config.arch == "gemma3_text" and ours.config.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    tokens = torch.randint(0, 296, (2, 11), generator=torch.Generator().manual_seed(0))
+    ref = _logits(mm, tokens)
+    assert (_logits(ours, tokens) - ref).abs().max().item() <= TOL
+    back = transformers.AutoModelForCausalLM.from_pretrained(save_hf(ours, tmp_path / "text")).eval()
+    assert type(back).__name__ == "Gemma3ForCausalLM"
+    assert (_logits(back, tokens) - ref).abs().max().item() <= TOL
 
 
 def test_sharded_round_trip(make_hf, tmp_path):

@@ -1,4 +1,4 @@
-"""`tunebook finetune` end to end, as a user runs it: a subprocess, no arguments but the output folder."""
+"""Every subcommand end to end, as a user runs it (a subprocess), checked on what it wrote, not only its exit code."""
 import json
 import os
 import subprocess
@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 
 def test_help_lists_every_option():
@@ -20,7 +21,8 @@ def test_help_lists_every_option():
 
 @pytest.mark.slow
 def test_finetune_default_end_to_end(tmp_path):
-    """The embedded default: under 5 minutes on 2 cores, held-out exact match up by >= 50 points."""
+    """The embedded default: held-out exact match up by >= 50 points (its wall time is printed, never asserted:
+    it swings with the machine's load; bench/ and the README quote it)."""
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "tunebook.cli", "finetune", "--output-dir", str(tmp_path / "run"), "--quiet"],
                          capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "2"})
@@ -33,7 +35,6 @@ def test_finetune_default_end_to_end(tmp_path):
     s = json.loads((run / "summary.json").read_text())
     print(json.dumps(s, indent=1), f"wall {wall:.0f} s", sep="\n")
     assert s["eval_accuracy_after"] - s["eval_accuracy_before"] >= 0.5, s
-    assert wall < 300, f"took {wall:.0f} s"
     for k in ("tokens_per_second", "peak_memory_bytes"):
         assert s[k] > 0
 
@@ -47,3 +48,76 @@ def test_qlora_finetune_still_gains(tmp_path):
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert s["method"] == "qlora"
     assert s["eval_accuracy_after"] - s["eval_accuracy_before"] >= 0.5, s
+
+
+def _run(*argv, cwd=None):
+    r = subprocess.run([sys.executable, "-m", "tunebook.cli", *argv], capture_output=True, text=True, cwd=cwd,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def test_estimate_end_to_end():
+    """The fake-tensor estimate of a step equals the same step run for real (--measure), and counts the bf16
+    parameters at 2 bytes each."""
+    out = json.loads(_run("estimate", "--model", "embedded", "--batch-size", "2", "--seq-len", "64", "--measure", "--json").stdout)
+    assert out["peak_bytes"] > 0 and abs(out["error"]) <= 0.01, out
+    assert out["categories"]["parameters"] == 2 * out["settings"]["params"]
+    assert out["categories"]["optimizer"] >= 2 * 2 * out["settings"]["trainable_params"]   # AdamW: two moments, bf16 like the weights
+
+
+def test_compare_end_to_end(tmp_path):
+    """Two combinations, each trained for real: a row each with finite numbers and no error; checkpointing
+    lowers the peak at this size (the activations of 2 blocks are recomputed, not kept)."""
+    _run("compare", "--model", "embedded", "--combos", "baseline,checkpointing", "--steps", "2", "--batch-size", "4",
+         "--seq-len", "256", "--output-dir", str(tmp_path / "cmp"), "--json", str(tmp_path / "c.json"))
+    rows = {r["combination"]: r for r in json.loads((tmp_path / "c.json").read_text())}
+    assert set(rows) == {"baseline", "checkpointing"}
+    for r in rows.values():
+        assert not r.get("error") and r["tokens_per_s"] > 0 and r["peak_bytes"] > 0 and 0 < r["final_loss"] < 20, r
+    assert rows["checkpointing"]["peak_bytes"] < rows["baseline"]["peak_bytes"], rows
+
+
+def _summary(r, out):
+    s = json.loads(r.stdout[r.stdout.index("{"):])
+    assert s == json.loads((out / "summary.json").read_text())
+    return s
+
+
+def test_dpo_end_to_end(tmp_path):
+    out = tmp_path / "dpo"
+    r = _run("dpo", "--quiet", "--max-steps", "4", "--n-pairs", "64", "--n-eval-pairs", "16", "--eval-samples", "4",
+             "--batch-size", "8", "--output-dir", str(out))
+    s = _summary(r, out)
+    assert s["steps"] == 4 and s["status"] == "ok" and s["mean_margin_before"] == 0.0 and s["mean_margin_after"] != 0.0, s
+    from tunebook.checkpoint import load_hf
+    from tunebook.lora import load_adapter
+    from tunebook.embedded import EMBEDDED_DIR
+    merged, base = load_hf(out / "model"), load_hf(EMBEDDED_DIR)
+    load_adapter(base, out / "adapter")
+    x = torch.randint(0, merged.config.vocab_size, (1, 9))
+    with torch.no_grad():
+        assert (merged(x) - base(x)).abs().max() < 1e-4   # model/ is the base with adapter/ merged in
+
+
+def test_distill_end_to_end(tmp_path):
+    out = tmp_path / "distill"
+    r = _run("distill", "--quiet", "--max-steps", "8", "--n-train", "128", "--eval-samples", "4", "--batch-size", "16",
+             "--max-seq-len", "48", "--output-dir", str(out))
+    s = _summary(r, out)
+    assert s["student_params"] < s["teacher_params"] and s["steps"] == 8
+    assert s["held_out_kl_after"] < s["held_out_kl_before"], s
+    from tunebook.checkpoint import load_hf
+    assert sum(p.numel() for p in load_hf(out / "model").parameters()) == s["student_params"]
+
+
+def test_grpo_end_to_end(tmp_path):
+    out = tmp_path / "grpo"
+    r = _run("grpo", "--quiet", "--max-steps", "2", "--n-train", "16", "--eval-samples", "4", "--group-size", "4",
+             "--prompts-per-step", "2", "--save-every", "1", "--output-dir", str(out))
+    s = _summary(r, out)
+    assert s["steps"] == 2 and s["samples"] == 2 * 2 * 4 and 0 <= s["eval_reward_after"] <= 1, s
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+    import pandas as pd
+    m = pd.read_csv(out / "metrics.csv")
+    assert m["samples"].tolist() == [8, 8] and m["reward"].between(0, 1).all()

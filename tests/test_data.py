@@ -146,7 +146,7 @@ def test_truncation_stats_and_errors(plain_tok):
     with pytest.raises(ValueError, match=r"max_seq_len=8.*Raise max_seq_len"):
         SFTDataset(rows[:1], plain_tok, max_seq_len=8)
     with pytest.raises(ValueError, match="nothing|no message|to learn"):
-        SFTDataset([{"messages": [{"role": "user", "content": "hi"}]}], plain_tok)
+        SFTDataset([{"messages": [{"role": "user", "content": "hi"}]}], plain_tok, use_chat_template=False)
 
 
 def test_bad_inputs(tmp_path, tok):
@@ -248,3 +248,196 @@ def test_loader_deterministic(plain_tok):
     assert order(1) == order(1) and order(1) != order(2)
     b = next(iter(make_loader(pack(ds), batch_size=2)))
     assert set(b) == {"tokens", "labels", "positions", "doc_ids"} and b["tokens"].shape == (2, 32)
+
+
+# ---- real data exactly as written (issue 13) ----
+from datetime import datetime
+
+from tunebook.data import eval_examples, sft_split
+from tunebook.records import detect_format, preference_example
+
+LOOKS = ["2021-03-05", "1e5", "1.50", "true", "null", "007", "NA", "12345678901234567890", "café ☕", "  two  spaces\n"]
+END = "<|im_end|>\n"   # what the ChatML template puts after each assistant turn (trained: the model learns to stop)
+
+
+def _chatml(msgs, gen=False):
+    "Hand-built ChatML rendering, the reference the template path must match token for token."
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}{END}" for m in msgs) + ("<|im_start|>assistant\n" if gen else "")
+
+
+def _trained(t, ex):
+    "The text of the labelled (non -100) tokens of one example."
+    return t.decode([l for l in ex["labels"] if l != IGNORE_INDEX])
+
+
+def _instruct_rows():
+    return [{"prompt": f"what is {v!r}? {i}", "response": v} for i, v in enumerate(LOOKS)]
+
+
+def _check_instruct(ds, t, rows, system=None):
+    assert len(ds) == len(rows)
+    for ex, r in zip(ds.examples, rows):
+        msgs = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["response"]}]
+        assert ex["tokens"] == t.encode(_chatml(msgs), add_bos=False)
+        assert _trained(t, ex) == r["response"] + END       # byte for byte, nothing re-typed
+
+
+def test_every_format_trains_the_text_as_written(tmp_path, tok):
+    rows = _instruct_rows()
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    (tmp_path / "a.json").write_text(json.dumps(rows, indent=2), encoding="utf-8")
+    pd.DataFrame(rows).to_csv(tmp_path / "a.csv", index=False)
+    (tmp_path / "bom.csv").write_bytes(b"\xef\xbb\xbf" + (tmp_path / "a.csv").read_bytes())   # Excel's "CSV UTF-8"
+    pd.DataFrame(rows).to_parquet(tmp_path / "a.parquet")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "disk"))
+    sources = [tmp_path / f for f in ("a.jsonl", "a.json", "a.csv", "bom.csv", "a.parquet", "disk")]
+    sources += sorted((tmp_path / "disk").glob("*.arrow"))   # one Arrow file of that folder, read by itself
+    for src in sources + [datasets.Dataset.from_list(rows), rows]:
+        ds = SFTDataset(src, tok, max_seq_len=None)
+        assert ds.format == "instruct" and "detected" in ds.format_report
+        _check_instruct(ds, tok, rows)
+    # the pyarrow JSON loader this replaces re-typed an all-dates column as timestamps; the text must not change
+    dates = [{"prompt": f"day {i}", "response": f"2021-03-0{i}"} for i in range(1, 6)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in dates))
+    _check_instruct(SFTDataset(tmp_path / "d.jsonl", tok), tok, dates)
+
+
+def test_chat_sharegpt_alpaca_text_formats(tmp_path, tok):
+    sysmsg = "Answer with the value only."
+    chat = [{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": v}]},
+                          {"role": "assistant", "content": v}]} for v in LOOKS]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat))
+    ds = SFTDataset(tmp_path / "c.jsonl", tok, system_prompt=sysmsg)     # D32: the system prompt applies to chat too
+    assert ds.format == "chat"
+    for ex, v in zip(ds.examples, LOOKS):
+        msgs = [{"role": "system", "content": sysmsg}, {"role": "user", "content": "hi " + v}, {"role": "assistant", "content": v}]
+        assert ex["tokens"] == tok.encode(_chatml(msgs), add_bos=False) and _trained(tok, ex) == v + END
+    sg = [{"conversations": [{"from": "system", "value": "own"}, {"from": "human", "value": "q" + v}, {"from": "gpt", "value": v}]}
+          for v in LOOKS]
+    (tmp_path / "s.json").write_text(json.dumps(sg))
+    ds = SFTDataset(tmp_path / "s.json", tok, system_prompt=sysmsg)      # a row's own system message wins
+    assert ds.format == "sharegpt"
+    for ex, v in zip(ds.examples, LOOKS):
+        msgs = [{"role": "system", "content": "own"}, {"role": "user", "content": "q" + v}, {"role": "assistant", "content": v}]
+        assert ex["tokens"] == tok.encode(_chatml(msgs), add_bos=False) and _trained(tok, ex) == v + END
+    al = [{"instruction": "Repeat", "input": v if i % 2 else "", "output": v} for i, v in enumerate(LOOKS)]
+    pd.DataFrame(al).to_csv(tmp_path / "al.csv", index=False)
+    ds = SFTDataset(tmp_path / "al.csv", tok, system_prompt=sysmsg)
+    assert ds.format == "alpaca"
+    for ex, r in zip(ds.examples, al):
+        user = r["instruction"] + ("\n\n" + r["input"] if r["input"] else "")
+        msgs = [{"role": "system", "content": sysmsg}, {"role": "user", "content": user}, {"role": "assistant", "content": r["output"]}]
+        assert ex["tokens"] == tok.encode(_chatml(msgs), add_bos=False)
+    texts = [{"text": "On 2021-03-05 the value was 1e5 and " + v} for v in LOOKS]
+    pd.DataFrame(texts).to_parquet(tmp_path / "t.parquet")
+    ds = SFTDataset(tmp_path / "t.parquet", tok)
+    assert ds.format == "text"
+    for ex, r in zip(ds.examples, texts):   # every token after BOS is trained: the text, then EOS
+        assert ex["tokens"] == tok.encode(r["text"], add_bos=True, add_eos=True)
+        assert _trained(tok, ex) == r["text"] + tok.eos_token
+    long = SFTDataset([{"text": " ".join(LOOKS * 4)}], tok, max_seq_len=16)   # long text: windows, nothing lost
+    assert sum(len(x["tokens"]) for x in long.examples) == len(tok.encode(" ".join(LOOKS * 4), add_eos=True))
+    assert SFTDataset(rows := _instruct_rows(), tok, format="chat" if False else "instruct").format_report.endswith(
+        f"{len(rows)} rows from the given list")
+
+
+def test_multi_turn_masking_matches_hand_built_reference(tok, plain_tok):
+    msgs = [{"role": "system", "content": "S 1.50"}, {"role": "user", "content": "u1 true"}, {"role": "assistant", "content": "a1 007"},
+            {"role": "user", "content": "u2 null"}, {"role": "assistant", "content": "a2 2021-03-05"}]
+    ids, mask = encode_conversation(tok, msgs)
+    ref_ids, ref_mask = [], []
+    pieces = [(_chatml(msgs[:2], gen=True), 0), ("a1 007" + END, 1), (_chatml(msgs[3:4], gen=True), 0), ("a2 2021-03-05" + END, 1)]
+    for text, m in pieces:
+        p = tok.encode(text, add_bos=False); ref_ids += p; ref_mask += [m] * len(p)
+    assert (ids, mask) == (ref_ids, ref_mask)
+    _, last = encode_conversation(tok, msgs, train_on="last")
+    assert last == [m if i >= len(ref_ids) - len(tok.encode("a2 2021-03-05" + END, add_bos=False)) else 0 for i, m in enumerate(ref_mask)]
+    ds = SFTDataset([{"messages": msgs}], tok, train_on="last")
+    assert _trained(tok, ds[0]) == "a2 2021-03-05" + END
+    # D33: chat data and a tokenizer without a template: refused, or the documented plain layout when asked for
+    with pytest.raises(ValueError, match="no chat template.*use_chat_template=False"):
+        SFTDataset([{"messages": msgs}], plain_tok)
+    ds = SFTDataset([{"messages": msgs}], plain_tok, use_chat_template=False)
+    e = plain_tok.encode
+    ref = e("S 1.50\n") + e("u1 true", add_bos=False) + e("a1 007", add_bos=False) + [plain_tok.eos_id] + \
+        e("u2 null", add_bos=False) + e("a2 2021-03-05", add_bos=False) + [plain_tok.eos_id]
+    assert ds[0]["tokens"] == ref
+    assert _trained(plain_tok, ds[0]) == "a1 007" + plain_tok.eos_token + "a2 2021-03-05" + plain_tok.eos_token
+    assert ds.encode_prompt(msgs[:4]) == ref[:len(ref) - len(e("a2 2021-03-05", add_bos=False)) - 1]   # eval = training
+
+
+def _err(tmp_path, name, content, tok, **kw):
+    p = tmp_path / name
+    (p.write_bytes if isinstance(content, bytes) else p.write_text)(content)
+    with pytest.raises(ValueError) as e:
+        SFTDataset(p, tok, **kw)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("raw,desc", [("1e5", "a number (100000.0)"), ("1.50", "a number (1.5)"), ("true", "a boolean (true)"),
+                                      ("100", "a number (100)"), ('{"q": "a", "ctx": [1, 2]}', 'an object ({"q": "a", "ctx": [1, 2]})'),
+                                      ('["a", "b"]', 'a list (["a", "b"])'), ("null", "missing or null")])
+def test_json_values_that_are_not_text_are_refused(tmp_path, tok, raw, desc):
+    lines = [json.dumps({"prompt": f"p{i}", "response": f"r{i}"}) for i in range(6)]
+    lines[3] = '{"prompt": "p3", "response": ' + raw + '}'
+    msg = _err(tmp_path, "d.jsonl", "\n".join(lines) + "\n", tok)
+    assert f"d.jsonl' line 4, column 'response'" in msg and desc in msg, msg
+    if raw != "null": assert 'write it as a JSON string in quotes (e.g. "1e5")' in msg
+
+
+def test_refused_files_name_the_place(tmp_path, tok):
+    # D9: a column mixing 7 and 7.5 is refused at the first number, not trained as 7.0
+    msg = _err(tmp_path, "m.json", json.dumps([{"prompt": "a", "response": "x"}, {"prompt": "b", "response": 7},
+                                               {"prompt": "c", "response": 7.5}], indent=0), tok)
+    assert "m.json' line 6, column 'response': expected text but found a number (7)" in msg, msg
+    # D34/D20: content parts that are not text
+    bad = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, {"role": "assistant", "content": "a"}]}
+    assert "content parts of type ['image_url']" in _err(tmp_path, "img.jsonl", json.dumps(bad), tok)
+    # D27: Parquet float and timestamp columns
+    pd.DataFrame({"prompt": ["a", "b", "c"], "response": [0.0, 1.5, 2.0]}).to_parquet(tmp_path / "f.parquet")
+    with pytest.raises(ValueError, match=r"f.parquet' row 0, column 'response': expected text but found a number \(0.0\); store the column as strings"):
+        SFTDataset(tmp_path / "f.parquet", tok)
+    pd.DataFrame({"prompt": ["a", "b"], "response": [datetime(2021, 3, 5)] * 2}).to_parquet(tmp_path / "ts.parquet")
+    with pytest.raises(ValueError, match=r"ts.parquet' row 0, column 'response': expected text but found a datetime \(2021-03-05 00:00:00\)"):
+        SFTDataset(tmp_path / "ts.parquet", tok)
+    # D6: a broken JSONL line; D14: a non-UTF-8 byte; D25: a ragged CSV row: named before any training
+    lines = [json.dumps({"prompt": f"p{i}", "response": f"r{i}"}) for i in range(40)]
+    lines[20] = '{"prompt": "p20", "response": "r20"'
+    assert "malformed.jsonl' line 21: not valid JSON" in _err(tmp_path, "malformed.jsonl", "\n".join(lines), tok)
+    raw = "\n".join(lines[:10]).encode() + b'\n{"prompt": "caf\xe9", "response": "x"}\n'
+    assert "latin.jsonl' line 11: byte 0xe9 is not valid UTF-8" in _err(tmp_path, "latin.jsonl", raw, tok)
+    csv_text = "prompt,response\n" + "".join(f"p{i},r{i}\n" for i in range(20)) + "a,b,c\n"
+    assert "ragged.csv' line 22: 3 fields, but the header has 2" in _err(tmp_path, "ragged.csv", csv_text, tok)
+    # CSV has no types: "NA", "null" and "" stay text
+    (tmp_path / "na.csv").write_text('prompt,response\nNA,null\n"",x\n')
+    assert load_records(tmp_path / "na.csv").to_list() == [{"prompt": "NA", "response": "null"}, {"prompt": "", "response": "x"}]
+
+
+def test_empty_responses_and_eval_rows(tok):
+    with pytest.raises(ValueError, match="every response in the given list is empty"):   # D30
+        SFTDataset([{"prompt": f"p{i}", "response": ""} for i in range(5)], tok)
+    with pytest.warns(UserWarning, match="2 of 5 rows of the given list have an empty response"):
+        SFTDataset([{"prompt": f"p{i}", "response": "" if i < 2 else "x"} for i in range(5)], tok)
+    # D16: held-out chat rows without an assistant turn are skipped and counted, not a crash
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}] + ([{"role": "assistant", "content": f"a{i}"}] if i % 2 else [])}
+            for i in range(16)]
+    with pytest.warns(UserWarning, match="have no assistant turn"):
+        train, evals = sft_split(rows, tok, n_eval=8, seed=1, system_prompt="S")
+    assert all(e["answer"] == "a" + e["messages"][-1]["content"][1:] for e in evals) and evals
+    assert all(e["messages"][0] == {"role": "system", "content": "S"} for e in evals)
+    with pytest.raises(ValueError, match="DPO"):
+        SFTDataset([{"prompt": "p", "chosen": "a", "rejected": "b"}], tok)
+
+
+def test_preference_forms(tmp_path):
+    conv = [{"chosen": [{"role": "user", "content": v}, {"role": "assistant", "content": "good " + v}],
+             "rejected": [{"role": "user", "content": v}, {"role": "assistant", "content": "bad"}]} for v in LOOKS]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in conv))
+    recs = load_records(tmp_path / "p.jsonl")
+    assert detect_format(recs.column_names) == "preference"
+    for i, v in enumerate(LOOKS):
+        assert preference_example(recs[i], recs.where(i)) == ([{"role": "user", "content": v}], "good " + v, "bad")
+    assert preference_example({"prompt": "q", "chosen": "1e5", "rejected": "100000.0"}) == ([{"role": "user", "content": "q"}], "1e5", "100000.0")
+    with pytest.raises(ValueError, match="different turns before the answer"):
+        preference_example({"chosen": conv[0]["chosen"], "rejected": conv[1]["rejected"]})

@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tunebook.distributed import (RankError, consolidate_to_hf, fsdp_memory, launch, load_distributed,
-                                  max_processes, shard_model, torchrun_command)
+from tunebook.distributed import consolidate_to_hf, load_distributed, shard_model, torchrun_command
+from tunebook.launch import RankError, launch, max_processes
+from tunebook.memory import fsdp_memory
 from tunebook.model import build_model, pico
 
 pytestmark = pytest.mark.skipif(max_processes("gloo") < 2, reason="needs 2 CPU cores for 2 gloo ranks")
@@ -263,3 +264,24 @@ def test_nccl_two_gpus():
         dist.all_reduce(t)
         return dist.get_backend(), t.item()
     assert launch(_on_gpu, nproc=2, backend="nccl", verbose=False) == [("nccl", 3.0)] * 2
+
+
+def test_launch_ships_notebook_code_by_value():
+    """What a notebook cell defines lives in `__main__`, which a fresh process lacks: cloudpickle ships a closure, a
+    class and the arguments built from it by value, across two real ranks."""
+    offset = 5
+
+    class Scaler:
+        def __init__(self, k): self.k = k
+        def __call__(self, x): return self.k * x
+    Scaler.__module__ = "__main__"
+
+    def work(scaler):
+        import torch.distributed as dist
+        return scaler(dist.get_rank()) + offset
+    work.__module__ = "__main__"
+    assert launch(work, nproc=2, args=(Scaler(10),), verbose=False) == [5, 15]
+    import threading
+    lock = threading.Lock()
+    def bad(): return lock.locked()
+    with pytest.raises(TypeError, match="cannot ship 'bad'"): launch(bad, nproc=2, verbose=False)

@@ -58,3 +58,18 @@ def test_resume_with_another_world_size_is_refused(model_dir, tmp_path):
                         "--warmup-steps", "0", "--method", "full", "--max-new-tokens", "4", "--resume",
                         "--output-dir", str(tmp_path / "run")], capture_output=True, text=True)
     assert r.returncode == 2 and "nproc was 2, now 1" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_second_run_exports_its_own_weights(model_dir, tmp_path):
+    """F16: run A (seed 1, 3 steps) then run B (seed 2, 2 steps) into one folder with --nproc 2. B's model/ must be
+    B's weights (equal to B in one process), never A's newer-numbered checkpoint."""
+    _run(model_dir, tmp_path / "shared", 2, "--method", "full", "--seed", "1")
+    a = load_hf(tmp_path / "shared" / "model")
+    _run(model_dir, tmp_path / "shared", 2, "--method", "full", "--seed", "2", "--max-steps", "2")
+    _run(model_dir, tmp_path / "one", 1, "--method", "full", "--seed", "2", "--max-steps", "2")
+    b, ref = load_hf(tmp_path / "shared" / "model"), load_hf(tmp_path / "one" / "model")
+    pa, pb, pr = dict(a.named_parameters()), dict(b.named_parameters()), dict(ref.named_parameters())
+    assert max((pb[n] - pr[n]).abs().max().item() for n in pb) <= 1e-5
+    assert max((pb[n] - pa[n]).abs().max().item() for n in pb) > 1e-4
+    assert sorted(p.name for p in (tmp_path / "shared" / "checkpoints").iterdir()) == ["step_000002"]

@@ -6,7 +6,18 @@ from tunebook.checkpoint import load_hf
 from tunebook.generate import generate
 
 
-@pytest.mark.parametrize("arch,kw", [("llama", dict()), ("qwen2", dict(tie_word_embeddings=True))])
+# windows of 4-6 positions: the 10-token prompt and the 32 new tokens run well past them
+FAMILIES = [("llama", dict()), ("qwen2", dict(tie_word_embeddings=True)),
+            ("qwen3", dict(head_dim=32, use_sliding_window=True, sliding_window=6, max_window_layers=1)),
+            ("mistral", dict(sliding_window=5)),
+            ("gemma3_text", dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24)),
+            ("gemma3_text", dict(sliding_window=5, final_logit_softcapping=2.0, tie_word_embeddings=False)),
+            ("phi3", dict(sliding_window=6)),
+            ("phi3", dict(partial_rotary_factor=0.75, tie_word_embeddings=True, num_key_value_heads=1)),
+            ("smollm3", dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=6))]
+
+
+@pytest.mark.parametrize("arch,kw", FAMILIES)
 def test_greedy_32_tokens_match_transformers(make_hf, arch, kw):
     hf, d = make_hf(arch, **kw)
     ours = load_hf(d)
@@ -17,8 +28,9 @@ def test_greedy_32_tokens_match_transformers(make_hf, arch, kw):
     assert generate(ours, prompt, max_new_tokens=32) == [ref]
 
 
-def test_left_padded_batch_matches_transformers(make_hf):
-    hf, d = make_hf("llama")
+@pytest.mark.parametrize("arch,kw", [FAMILIES[0], FAMILIES[2], FAMILIES[3], FAMILIES[4], FAMILIES[6], FAMILIES[8]])
+def test_left_padded_batch_matches_transformers(make_hf, arch, kw):
+    hf, d = make_hf(arch, **kw)
     ours = load_hf(d)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (9, 4, 6)]
@@ -27,3 +39,21 @@ def test_left_padded_batch_matches_transformers(make_hf):
     mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
     ref = hf.generate(ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
     assert generate(ours, prompts, max_new_tokens=16) == ref[:, L:].tolist()
+
+
+def test_sliding_layers_cache_only_their_window(make_hf):
+    """Gemma 3 layout: the sliding layers' caches hold window - 1 positions, the global layer all of them; the
+    prompt prefill and every step still match transformers (and sampling several continuations per prompt works)."""
+    hf, d = make_hf("gemma3_text", sliding_window=4, num_hidden_layers=3,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    ours = load_hf(d)
+    ours.setup_cache(1, 64)
+    assert [layer.self_attn.cache.k.shape[2] for layer in ours.layers] == [3, 64, 3]
+    ours.clear_cache()
+    prompt = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(5))
+    ref = hf.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False, attention_mask=torch.ones_like(prompt),
+                      pad_token_id=0)[0, 10:].tolist()
+    assert generate(ours, prompt, max_new_tokens=20) == [ref]
+    a = generate(ours, prompt, max_new_tokens=12, temperature=1.0, num_samples=3, generator=torch.Generator().manual_seed(1))
+    b = generate(ours, prompt.repeat(3, 1), max_new_tokens=12, temperature=1.0, generator=torch.Generator().manual_seed(1))
+    assert a == b

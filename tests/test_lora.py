@@ -1,5 +1,6 @@
-"""tunebook.lora against peft on small random Llama models (no hub): adapters in both directions,
-DoRA, merging, trainable parameters, NF4 and bad input."""
+"""tunebook.lora against peft on small random models (no hub): adapters in both directions for every family
+(Llama, Qwen2, Qwen3, Mistral, Gemma 3, Phi-3 with its fused modules, SmolLM3), DoRA, QLoRA, merging, trainable
+parameters, NF4, bad input, and issue 17's adapter rows (A3, A5, A7, file mode)."""
 import json
 
 import pytest
@@ -240,3 +241,144 @@ def test_adapter_for_another_base(base_dir, tmp_path):
     assert not lora_modules(model)  # nothing was changed
     with pytest.raises(FileNotFoundError, match="adapter_config.json"):
         load_adapter(model, tmp_path)
+
+
+# ---- every family: adapters interchangeable with peft, both directions (issue 14) ----
+from conftest import hf_model as make_hf_model  # noqa: E402
+
+FAMILY_KW = {"llama": dict(), "qwen2": dict(), "qwen3": dict(head_dim=32),
+             "mistral": dict(sliding_window=5), "phi3": dict(sliding_window=6, partial_rotary_factor=0.75),
+             "gemma3_text": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24),
+             "smollm3": dict(num_hidden_layers=4)}
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    out = {}
+    for arch, kw in FAMILY_KW.items():
+        d = tmp_path_factory.mktemp(arch)
+        make_hf_model(arch, seed=5, **kw).save_pretrained(d)
+        out[arch] = d
+    return out
+
+
+def _hf(d):
+    return transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("dora", [False, True])
+@pytest.mark.parametrize("arch", list(FAMILY_KW))
+def test_family_adapters_interchange_with_peft(family_dirs, tmp_path, arch, dora):
+    d = family_dirs[arch]
+    toks = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(6))
+    # ours -> peft
+    model = apply_lora(load_hf(d), rank=4, alpha=8, targets="all-linear", dora=dora)
+    randomize(model)
+    names = {n.rsplit(".", 1)[-1] for n in lora_modules(model)}
+    if arch == "phi3": assert names == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}  # the fused modules, peft's names
+    save_adapter(model, tmp_path / "ours")
+    pm = peft.PeftModel.from_pretrained(_hf(d), tmp_path / "ours").eval()
+    with torch.no_grad():
+        assert (model(toks) - pm(toks).logits).abs().max().item() <= 1e-5
+    # peft -> ours
+    torch.manual_seed(3)
+    pm = peft.get_peft_model(_hf(d), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_dora=dora))
+    randomize(pm, seed=7)
+    pm.eval().save_pretrained(tmp_path / "peft")
+    ours = load_adapter(load_hf(d), tmp_path / "peft")
+    with torch.no_grad():
+        assert (ours(toks) - pm(toks).logits).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("arch", list(FAMILY_KW))
+def test_family_qlora_matches_dequantized(family_dirs, arch):
+    """QLoRA on each family: the NF4 forward equals the same model with the dequantized weights loaded in full precision."""
+    toks = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(8))
+    q = apply_lora(load_hf(family_dirs[arch]), rank=4, targets="all-linear", quantize_base=True)
+    randomize(q)
+    ref = load_hf(family_dirs[arch])
+    apply_lora(ref, rank=4, targets="all-linear")
+    ref.load_state_dict({k: v for k, v in q.state_dict().items() if "lora_" in k}, strict=False)
+    with torch.no_grad():
+        for n, m in lora_modules(q).items(): lora_modules(ref)[n].weight.copy_(m.base_weight())
+        diff = (q(toks) - ref(toks)).abs().max().item()
+        assert diff <= 1e-5
+        full = apply_lora(load_hf(family_dirs[arch]), rank=4, targets="all-linear")
+        full.load_state_dict({k: v for k, v in q.state_dict().items() if "lora_" in k}, strict=False)
+        assert (ref(toks) - full(toks)).abs().max().item() > 1e-4  # NF4 did change the weights: the check can fail
+
+
+# ---- issue 17: adapter rows A3, A5, A7 and the file mode ----
+def _two_sizes(tmp_path):
+    torch.manual_seed(0)
+    dirs = {}
+    for n in (4, 6):
+        cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=n,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+        transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / f"l{n}")
+        dirs[n] = tmp_path / f"l{n}"
+    return dirs
+
+
+def test_a3_adapter_for_fewer_layers_refused(tmp_path):
+    dirs = _two_sizes(tmp_path)
+    pm = peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(dirs[4]), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    pm.save_pretrained(tmp_path / "a4")
+    model = load_hf(dirs[6])
+    with pytest.raises(ValueError, match=r"adapts 4 layer\(s\), this model has 6"):
+        load_adapter(model, tmp_path / "a4")
+    assert not lora_modules(model)   # refused before any change
+    load_adapter(load_hf(dirs[4]), tmp_path / "a4")  # its own base loads
+
+
+def test_a5_layers_to_transform_honoured_like_peft(base_dir, tokens, tmp_path):
+    model = apply_lora(our_model(base_dir), rank=4, targets=["q_proj", "v_proj"])
+    randomize(model)
+    save_adapter(model, tmp_path / "a")
+    cfg = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    cfg["layers_to_transform"] = [0]
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.warns(UserWarning, match="outside layers_to_transform"):
+        ours = load_adapter(our_model(base_dir), tmp_path / "a")
+    assert sorted(lora_modules(ours)) == ["layers.0.self_attn.q_proj", "layers.0.self_attn.v_proj"]
+    pm = peft.PeftModel.from_pretrained(hf_model(base_dir), tmp_path / "a").eval()
+    with torch.no_grad():
+        assert (ours(tokens) - pm(tokens).logits).abs().max().item() <= 1e-5
+        assert (ours(tokens) - model(tokens)).abs().max().item() > 1e-3   # layer 1's adapter really left out
+
+
+def test_a5_layers_pattern_refused(base_dir, tmp_path):
+    model = apply_lora(our_model(base_dir), rank=4)
+    save_adapter(model, tmp_path / "a")
+    cfg = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    cfg.update(layers_to_transform=[0], layers_pattern="h")
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(NotImplementedError, match="layers_pattern"):
+        load_adapter(our_model(base_dir), tmp_path / "a")
+
+
+def test_a7_auto_peft_loads_adapter_with_local_base(base_dir, tokens, tmp_path, monkeypatch):
+    model = apply_lora(load_hf(base_dir), rank=4, targets=["q_proj", "v_proj"])
+    randomize(model)
+    monkeypatch.chdir(tmp_path)   # the recorded path is absolute: it loads from any working folder
+    save_adapter(model, "adapter")
+    cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == str(base_dir.resolve())
+    pm = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter").eval()
+    with torch.no_grad():
+        assert (model(tokens) - pm(tokens).logits).abs().max().item() <= 1e-5
+    save_adapter(model, tmp_path / "named", base_model_name_or_path="org/base")   # the trainer can pass it
+    assert json.loads((tmp_path / "named" / "adapter_config.json").read_text())["base_model_name_or_path"] == "org/base"
+
+
+def test_adapter_files_are_0644_like_other_outputs(base_dir, tmp_path):
+    import os
+    umask = os.umask(0); os.umask(umask)
+    out = save_adapter(apply_lora(our_model(base_dir), rank=4), tmp_path / "a")
+    for f in ("adapter_model.safetensors", "adapter_config.json"):
+        assert os.stat(out / f).st_mode & 0o777 == 0o666 & ~umask, f
+
+
+def test_unfused_targets_on_phi3_name_the_fused_module(family_dirs):
+    with pytest.raises(ValueError, match=r"fuses q_proj/k_proj/v_proj into qkv_proj.*target 'qkv_proj'"):
+        apply_lora(load_hf(family_dirs["phi3"]), targets=["q_proj", "v_proj"])

@@ -209,3 +209,60 @@ def test_memory_no_full_logits(dtype):
     grads = h.numel() * h.element_size() + V * D * 4       # dh, fp32 dW accumulator (+ its cast for bf16)
     assert peaks["chunked"][0] <= 1.5 * chunk + 1.5 * grads + 2**16, peaks
     assert peaks["chunked"][0] < peaks["full"][0] / 8, peaks
+
+
+# final logit soft-cap: z' = c * tanh(z / c), as the model applies it (model.final_softcap)
+
+def capped_reference(cap):
+    def ref(h, w, y):
+        z = (h @ w.t()).float()
+        return F.cross_entropy((cap * torch.tanh(z / cap)).flatten(0, 1), y.flatten(), ignore_index=-100)
+    return ref
+
+
+@pytest.mark.parametrize("cap", [3.0, 30.0])
+@pytest.mark.parametrize("num_chunks", [1, 5, 64])
+def test_softcap_matches_capped_full_logits(cap, num_chunks):
+    hidden, weight, labels = make_inputs(T=37, V=300)
+    weight = weight * 8   # logits up to ~40: the tanh saturates at cap 3
+    errs = errors(hidden, weight, labels, ChunkedCrossEntropy(num_chunks, softcap=cap), ref=capped_reference(cap))
+    assert max(errs) <= FP32_TOL * 10, errs
+    # and the cap matters: the uncapped loss is far off
+    assert errors(hidden, weight, labels, ChunkedCrossEntropy(num_chunks, softcap=cap))[0] > 1e-2
+
+
+def test_softcap_sum_reduction_and_bf16():
+    hidden, weight, labels = make_inputs(T=29, V=200)
+    weight = weight * 8
+    ref = lambda h, w, y: capped_reference(5.0)(h, w, y) * num_loss_tokens(y)
+    assert max(errors(hidden, weight, labels, ChunkedCrossEntropy(4, reduction="sum", softcap=5.0), ref=ref)) <= 1e-4
+    errs = errors(hidden.bfloat16(), weight.bfloat16(), labels, ChunkedCrossEntropy(4, softcap=5.0), ref=capped_reference(5.0))
+    assert errs[0] <= BF16_LOSS_TOL and max(errs[1:]) <= BF16_GRAD_TOL, errs
+
+
+def test_softcap_gradcheck_fp64():
+    h, w, y = make_inputs(B=2, T=5, D=4, V=7, dtype=torch.float64, n_ignored=2)
+    assert torch.autograd.gradcheck(lambda h, w: ChunkedCrossEntropy(3, softcap=0.5)(h, w * 4, y),
+                                    (h.requires_grad_(), w.requires_grad_()))
+
+
+def test_softcap_is_the_models():
+    "With the model's own final_softcap, the chunked loss on hidden states equals the loss on the model's logits."
+    from tunebook.model import build_model, pico
+    torch.manual_seed(0)
+    model = build_model(pico(arch="gemma3_text", qk_norm=True, hidden_act="gelu_pytorch_tanh", tie_embeddings=True,
+                             final_softcap=2.0))
+    with torch.no_grad(): model.embed_tokens.weight.mul_(50)   # logits far past the cap
+    tokens = torch.randint(0, 512, (2, 16))
+    y = tokens.roll(-1, 1); y[:, -1] = -100
+    ref = cross_entropy_loss(model(tokens), y)
+    ours = ChunkedCrossEntropy(4, softcap=model.final_softcap)(model(tokens, return_hidden=True), model.output_weight, y)
+    assert (ours - ref).abs().item() <= 1e-5
+    plain = ChunkedCrossEntropy(4)(model(tokens, return_hidden=True), model.output_weight, y)
+    assert (plain - ref).abs().item() > 1e-3
+
+
+def test_softcap_bad_values():
+    for bad in (0, -1.0, "30", True):
+        with pytest.raises(ValueError, match="softcap must be a positive number"):
+            ChunkedCrossEntropy(softcap=bad)

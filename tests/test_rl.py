@@ -1,6 +1,7 @@
 """DPO, distillation and GRPO (sync and async): formulas checked by hand, and each method measurably learning."""
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,11 +14,8 @@ from tunebook.grpo import GRPOConfig, GRPOTrainer, WorkerDied, group_advantages,
 
 
 def _embedded():
-    try:
-        from tunebook.embedded import EMBEDDED_DIR, FINETUNE_TASK
-    except ImportError:
-        return None
-    return (str(EMBEDDED_DIR), FINETUNE_TASK) if (EMBEDDED_DIR / "config.json").exists() else None
+    from tunebook.embedded import EMBEDDED_DIR, FINETUNE_TASK
+    return (str(EMBEDDED_DIR), FINETUNE_TASK)
 
 
 @pytest.fixture(scope="session")
@@ -37,8 +35,8 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="session")
 def policy(tiny):
     """(model folder, task) of a model that already half-solves its task: the embedded default. Learning tests need it."""
-    found = _embedded()
-    if found is None: pytest.skip("the embedded model (tunebook/embedded.py) is not installed yet: a random model cannot show learning")
+    found = _embedded()   # shipped with the package: a missing model is a failure, never a skip
+    assert (Path(found[0]) / "config.json").exists(), f"the embedded model is missing from {found[0]}"
     return found
 
 
@@ -89,8 +87,12 @@ def test_dpo_raises_held_out_preference_accuracy(policy, tmp_path):
                     lr=1e-3, beta=0.1, output_dir=str(tmp_path))
     s = DPOTrainer(cfg).fit(progress=False)
     print({k: v for k, v in s.items() if "preference" in k or "ranks" in k})
-    assert s["preference_accuracy_before"] == 0.0
+    # at the start the policy is the reference, so every implicit-reward margin is 0 and "preference accuracy"
+    # (margin > 0) is 0 by construction: the real before/after is how often the policy alone ranks chosen first.
+    # Measured (seed 0, 100 held-out pairs): ranks chosen 0.84 -> 0.91, implicit-reward accuracy 0.91.
+    assert s["mean_margin_before"] == 0.0
     assert s["preference_accuracy_after"] > 0.8
+    assert s["policy_ranks_chosen_after"] >= s["policy_ranks_chosen_before"] + 0.04, s
     assert (tmp_path / "model" / "config.json").exists() and (tmp_path / "summary.json").exists()
 
 
@@ -115,15 +117,14 @@ def test_chunked_kl_equals_unchunked_fp32():
 
 
 def test_student_held_out_loss_falls(tiny, tmp_path):
-    path, task = _embedded() or tiny
+    path, task = _embedded()
     cfg = DistillConfig(teacher=path, task=task, n_train=256, eval_samples=4, max_steps=25, batch_size=32, lr=3e-3,
                         max_seq_len=48, output_dir=str(tmp_path))
     s = DistillTrainer(cfg).fit(progress=False)
     print({k: v for k, v in s.items() if k.startswith("held_out") or k.endswith("params")})
     assert s["student_params"] < s["teacher_params"]
     assert s["held_out_kl_after"] < 0.7 * s["held_out_kl_before"]
-    if _embedded():   # a trained teacher's distributions also carry the answers
-        assert s["held_out_ce_after"] < s["held_out_ce_before"]
+    assert s["held_out_ce_after"] < s["held_out_ce_before"]   # a trained teacher's distributions also carry the answers
 
 
 # ---------------------------------------------------------------- GRPO
@@ -151,7 +152,8 @@ def test_grpo_sync_raises_held_out_reward(policy, tmp_path):
     s = GRPOTrainer(_grpo_cfg(path, "add", tmp_path, max_steps=60, lora_rank=16, lr=5e-4, beta=0.04, temperature=0.7,
                               eval_samples=100)).fit(progress=False)
     print({k: s[k] for k in ("eval_reward_before", "eval_reward_after", "samples_per_second", "mean_train_reward")})
-    assert s["eval_reward_after"] > s["eval_reward_before"]
+    # measured on 100 held-out prompts: 0.45 -> 0.53 (seed 0), 0.44 -> 0.53 (seed 1); half that gain is required
+    assert s["eval_reward_after"] >= s["eval_reward_before"] + 0.04, s
 
 
 class _StopAt:
@@ -183,10 +185,8 @@ def test_grpo_dead_worker_is_reported(tiny, tmp_path):
     path, task = tiny
     cfg = _grpo_cfg(path, task, tmp_path, async_mode=True, max_steps=3, eval_samples=2, worker_timeout=60)
     t = GRPOTrainer(cfg, reward_fn=_die)
-    t0 = time.time()
-    with pytest.raises(WorkerDied, match="exit code 3"):
+    with pytest.raises(WorkerDied, match="exit code 3"):   # reported as a death, not as the 60 s worker_timeout
         t.setup(); t._start = time.perf_counter(); t.run_async()
-    assert time.time() - t0 < 60
     assert all(not w.is_alive() for w in t.workers)
 
 

@@ -365,3 +365,20 @@ def test_bad_input(tmp_path):
     with pytest.raises(ValueError, match="tokenizer_config.json.*not valid JSON"): load_tokenizer(cfg)
     tok = train_tokenizer(corpus(200), vocab_size=300)
     with pytest.raises(TypeError, match="encode takes a str"): tok.encode(["a", "b"])
+
+
+def test_chat_template_saved_as_the_source_stored_it(tmp_path):
+    """A folder whose template is in chat_template.jinja (transformers 5) is saved back the same way, byte for byte."""
+    tok = train_tokenizer(corpus(300), vocab_size=300)
+    src = tmp_path / "src"
+    tok.save(src)
+    cfg = json.loads((src / "tokenizer_config.json").read_text())
+    template = cfg.pop("chat_template") + "{# kept as written: ünïcödé #}"
+    (src / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (src / "chat_template.jinja").write_text(template, encoding="utf-8")
+    load_tokenizer(src).save(tmp_path / "out")
+    assert (tmp_path / "out" / "chat_template.jinja").read_bytes() == (src / "chat_template.jinja").read_bytes()
+    assert "chat_template" not in json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out").chat_template == template
+    train_tokenizer(corpus(300), vocab_size=300).save(tmp_path / "trained")   # a template that came from code stays in the config
+    assert json.loads((tmp_path / "trained" / "tokenizer_config.json").read_text())["chat_template"] == CHATML_TEMPLATE

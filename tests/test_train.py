@@ -65,7 +65,7 @@ def test_run_folder(tok, tmp_path):
     t = _trainer(tok, tmp_path / "run", method="lora", max_steps=3)
     s = t.fit(progress=False)
     names = sorted(p.name for p in (tmp_path / "run").iterdir())
-    assert names == ["adapter", "checkpoints", "config.json", "loss.png", "metrics.csv", "model", "summary.json"]
+    assert names == ["adapter", "checkpoints", "config.json", "log.txt", "loss.png", "metrics.csv", "model", "samples.jsonl", "summary.json"]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     for k in ("eval_accuracy_before", "eval_accuracy_after", "tokens_per_second", "peak_memory_bytes"):
         assert summary[k] is not None
@@ -95,7 +95,8 @@ def test_rows_missing_fields(tmp_path, capsys):
     f.write_text("\n".join(json.dumps({"question": "q", "answer": "a"}) for _ in range(10)))
     assert _cli("--data", str(f), "--output-dir", str(tmp_path / "o")) == 2
     err = capsys.readouterr().err
-    assert "prompt" in err and "question" in err and "--prompt-field" in err.replace("prompt_column", "--prompt-field") or "prompt_column" in err
+    # names the missing column, the columns the file has, and the flag that picks another one
+    assert "prompt" in err and "question" in err and ("--prompt-field" in err or "prompt_field" in err), err
 
 
 def test_empty_dataset(tmp_path, capsys):
@@ -108,10 +109,29 @@ def test_every_example_too_long(tmp_path, capsys):
     f = tmp_path / "d.jsonl"
     f.write_text("\n".join(json.dumps({"prompt": "word " * 200, "response": "yes"}) for _ in range(10)))
     assert _cli("--data", str(f), "--max-seq-len", "16", "--output-dir", str(tmp_path / "o")) == 2
-    assert "max_seq_len=16" in capsys.readouterr().err
+    assert "--max-seq-len 16" in capsys.readouterr().err
 
 
 def test_model_folder_not_a_model(tmp_path, capsys):
     (tmp_path / "m").mkdir(); (tmp_path / "m" / "notes.txt").write_text("hi")
     assert _cli("--model", str(tmp_path / "m"), "--output-dir", str(tmp_path / "o")) == 2
     assert "config.json" in capsys.readouterr().err
+
+
+def test_model_folder_carries_the_sources_inference_files(tok, tmp_path):
+    """model/ holds the source folder's tokenizer files, chat template and generation_config.json byte for byte, and
+    samples.jsonl holds a few generations per eval."""
+    from tunebook.checkpoint import save_hf
+    src = tmp_path / "src"
+    torch.manual_seed(0)
+    save_hf(build_model(pico(vocab_size=tok.vocab_size, dim=32, hidden_dim=64)), src); tok.save(src)
+    (src / "generation_config.json").write_text('{"do_sample": false, "max_new_tokens": 7, "eos_token_id": 1}\n')
+    (src / "tokenizer_config.json").write_text((src / "tokenizer_config.json").read_text() + "\n")  # the source's own bytes
+    cfg = TrainConfig(model=str(src), task="reverse", n_train=32, eval_samples=4, batch_size=8, max_steps=2, eval_every=1,
+                      output_dir=str(tmp_path / "run"))
+    Trainer(cfg).fit(progress=False)
+    for name in ("generation_config.json", "tokenizer_config.json", "tokenizer.json") + (("chat_template.jinja",) * (src / "chat_template.jinja").exists()):
+        assert (tmp_path / "run" / "model" / name).read_bytes() == (src / name).read_bytes(), name
+    samples = [json.loads(l) for l in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [0] * 3 + [1] * 3 + [2] * 3   # before, every eval_every, after
+    assert all(s["prompt"].startswith("reverse") and isinstance(s["completion"], str) for s in samples)

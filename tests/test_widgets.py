@@ -1,4 +1,7 @@
 """Widget state tests, no browser: set `.value`, call `.click()`, read the widgets and the plain state behind them."""
+import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -7,7 +10,10 @@ import torch
 from tunebook.data import make_task
 from tunebook.model import build_model, get_config
 from tunebook.tokenizer import train_tokenizer
-from tunebook.widgets import AblationLab, Compare, LiveRun, RunBuilder, estimate_memory, rough_estimate
+from tunebook import live
+from tunebook.live import LiveRun, compare_techniques, estimate_memory, step_memory
+from tunebook.memory import estimate, rough_estimate, state_bytes
+from tunebook.widgets import AblationLab, Compare, RunBuilder
 
 FAST = dict(n_train=32, eval_samples=2, max_new_tokens=2, warmup_steps=0)
 PNG = b"\x89PNG"
@@ -93,7 +99,9 @@ def test_ablation_sliders_redraw_at_once():
     p = lab.estimate.peak_bytes
     lab.method.value = "qlora"
     assert lab.estimate.peak_bytes < p
-    assert "141 GiB" in lab.numbers.value or "none of" in lab.numbers.value
+    assert "fits: none of 24 GiB, 40 GiB, 80 GiB, 141 GiB" not in lab.numbers.value   # a 70B QLoRA fits a big GPU
+    lab.method.value = "full"
+    assert "fits: none of 24 GiB, 40 GiB, 80 GiB, 141 GiB" in lab.numbers.value        # a 70B full fine-tune fits none
     lab.measure_button.click()  # too big to measure: a message
     assert "only for models up to" in lab.message.value
 
@@ -117,6 +125,18 @@ def test_ablation_invalid_is_a_message():
     assert "max_seq_len" in lab.message.value and lab.chart.value == before
 
 
+def test_gpu_slider_gives_per_gpu_bytes_under_fsdp():
+    lab = AblationLab(background=False, model="pico")
+    lab.method.value, lab.dtype.value, lab.seq_len.value = "full", "fp32", 64
+    one = lab.estimate
+    lab.nproc.value = 4
+    four = lab.estimate
+    ref = estimate(get_config("pico"), method="full", dtype="fp32", batch_size=1, seq_len=64, lora_rank=16, nproc=4)
+    assert four.categories == ref.categories and four.peak_bytes == ref.peak_bytes
+    assert four.categories["parameters"] < one.categories["parameters"] and "per GPU of 4" in lab.numbers.value
+    assert not lab.nproc.disabled
+
+
 def test_rough_estimate_counts_parameters_exactly():
     from tunebook.core import count_params
     cfg = get_config("pico")
@@ -132,7 +152,75 @@ def test_compare_table_and_chart(tmp_path):
     df = cmp.frame
     assert list(df.combination) == ["baseline", "optimizer in backward"]
     assert df.error.isna().all() and (df.tokens_per_s > 0).all()
+    assert df.gradients_bytes[1] < df.gradients_bytes[0]           # in backward: one gradient at a time
+    assert df.optimizer_bytes[1] == df.optimizer_bytes[0] > 0      # the same AdamW state either way
+    assert (df.state_bytes == df.parameters_bytes + df.gradients_bytes + df.optimizer_bytes).all()
+    assert df.peak_how.str.startswith("measured").all() and (df.peak_bytes > df.parameters_bytes).all()
     assert cmp.chart.value[:4] == PNG and cmp.status.value.startswith("done")
     cmp.combos.value = ()
     cmp.run_button.click()
     assert "at least one" in cmp.status.value
+
+
+def test_compare_techniques_measures_what_each_saves(tmp_path):
+    from tunebook.train import TrainConfig
+    base = TrainConfig(task="add", batch_size=4, max_seq_len=32, output_dir=str(tmp_path), **FAST)
+    df = compare_techniques(base, ["baseline", "chunked CE", "checkpointing", dict(method="prepend")], steps=1,
+                            loader=tiny_loader)
+    assert df.error[:3].isna().all() and "method" in df.error[3]
+    assert df.peak_bytes[1] < df.peak_bytes[0]     # the chunked loss never holds the full logits
+    assert df.peak_bytes[2] < df.peak_bytes[0]     # checkpointing keeps only block inputs
+    assert df.parameters_bytes[0] == df.parameters_bytes[1] == df.parameters_bytes[2]
+
+
+def test_logic_modules_do_not_import_ipywidgets():
+    code = "import sys, tunebook.live, tunebook.charts, tunebook.memory; print('ipywidgets' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_step_memory_keeps_the_run_peak_on_cuda(monkeypatch):
+    """A live run's CUDA peak is the run's: step_memory must never reset the allocator's peak."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: calls.append(a))
+    model = build_model(get_config("pico", n_layers=1))
+    opt = torch.optim.AdamW(model.parameters())
+
+    class FakeCudaTrainer:   # what step_memory reads of a trainer, reporting a CUDA allocator peak
+        config = type("C", (), {"optimizer_in_backward": False})()
+        step, optimizer = 3, opt
+        def __init__(self): self.model = model
+        def peak_memory(self): return 10 * 2**30, "torch.cuda.max_memory_allocated"
+    m = step_memory(FakeCudaTrainer())
+    assert calls == []
+    assert m["device_peak"] == 10 * 2**30 and m["categories"]["activations + other"] == 10 * 2**30 - sum(
+        state_bytes(model, opt).values())
+
+
+def test_estimate_cache_is_bounded_and_keyed_by_config(tmp_path, monkeypatch):
+    from tunebook.checkpoint import save_hf
+    folder = tmp_path / "m"
+    save_hf(build_model(get_config("pico", n_layers=2)), folder)
+    a = estimate_memory(str(folder), rough=True, method="full", seq_len=64)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["num_hidden_layers"] = 4
+    (folder / "config.json").write_text(json.dumps(cfg))
+    b = estimate_memory(str(folder), rough=True, method="full", seq_len=64)
+    assert b.categories["parameters"] > a.categories["parameters"]     # the same folder name, a new estimate
+    monkeypatch.setattr(live, "CACHE_SIZE", 3)
+    for s in (32, 64, 128, 256, 512): estimate_memory("pico", rough=True, seq_len=s)
+    assert len(live._CACHE) <= 3
+
+
+def test_lab_estimates_phi3_with_default_targets(tmp_path):
+    "The lab's estimate adapts every linear layer by default, so Phi-3's fused qkv_proj / gate_up_proj work."
+    from tunebook.checkpoint import save_hf
+    from tunebook.core import count_params
+    from tunebook.lora import apply_lora
+    from tunebook.model import build_model, pico
+    folder = tmp_path / "phi3-small"
+    save_hf(build_model(pico(arch="phi3")), folder)
+    r = estimate_memory(str(folder), method="lora", seq_len=32, lora_rank=8)
+    assert r.settings["lora_targets"] == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+    ref = apply_lora(build_model(pico(arch="phi3")), rank=8, targets="all-linear")
+    assert r.settings["trainable_params"] == count_params(ref, trainable_only=True)

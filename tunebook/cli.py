@@ -15,7 +15,7 @@ import typing
 from .core import human_bytes
 
 # %% auto #0
-__all__ = ['add_dataclass_args', 'build_parser', 'main']
+__all__ = ['add_dataclass_args', 'config_from_args', 'build_parser', 'main', 'one_line']
 
 # %% ../nbs/14_cli.ipynb #78ad89fd
 def _field_help(cls) -> dict[str, str]:
@@ -23,7 +23,8 @@ def _field_help(cls) -> dict[str, str]:
     import inspect, re
     try: src = inspect.getsource(cls)
     except (OSError, TypeError): return {}
-    return {m.group(1): m.group(2).strip() for m in re.finditer(r"^\s+(\w+):[^#\n]*#\s*(.*)$", src, re.M)}
+    # argparse %-formats help text: a literal % (as in "50%") must be doubled or --help crashes
+    return {m.group(1): m.group(2).strip().replace("%", "%%") for m in re.finditer(r"^\s+(\w+):[^#\n]*#\s*(.*)$", src, re.M)}
 
 def _parse_optional(kind):
     def parse(s: str):
@@ -32,22 +33,26 @@ def _parse_optional(kind):
     return parse
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip=()) -> None:
-    "Add a `--field-name` option for every field of dataclass `cls`."
-    helps = _field_help(cls)
+    "Add a `--field-name` option for every field of dataclass `cls`; those it `_ignores` are accepted but hidden, so validation refuses them with the reason."
+    helps = {}
+    for k in reversed(cls.__mro__):   # inherited fields keep their base class's comments
+        if dataclasses.is_dataclass(k): helps.update(_field_help(k))
+    ignored = getattr(cls, "_ignores", {})
     for f in dataclasses.fields(cls):
         if f.name in skip: continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         flag, ann = "--" + f.name.replace("_", "-"), str(f.type)
-        h = helps.get(f.name, "")
+        h = argparse.SUPPRESS if f.name in ignored else helps.get(f.name, "")
         if isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=h)
         elif isinstance(default, tuple):
             parser.add_argument(flag, type=lambda s: tuple(x.strip() for x in s.split(",") if x.strip()), default=default,
-                                metavar="A,B,...", help=f"{h} (default: {','.join(default)})")
+                                metavar="A,B,...", help=h if h == argparse.SUPPRESS else f"{h} (default: {','.join(default)})")
         else:
             kind = int if "int" in ann and "float" not in ann else float if "float" in ann else str
             if "None" in ann: kind = _parse_optional(kind)
-            parser.add_argument(flag, type=kind, default=default, help=f"{h} (default: {default})".strip())
+            parser.add_argument(flag, type=kind, default=default,
+                                help=h if h == argparse.SUPPRESS else f"{h} (default: {str(default).replace('%', '%%')})".strip())
 
 # %% ../nbs/14_cli.ipynb #1478e36f
 def _launch_torchrun(args) -> int | None:
@@ -67,17 +72,23 @@ def _launch_torchrun(args) -> int | None:
     init_from_env()
     return None
 
-def _finetune(args) -> int:
-    from tunebook.train import TrainConfig, Trainer
-    opts = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
-    if opts["max_grad_norm"] == 0: opts["max_grad_norm"] = None
-    if args.quantize_base:
+def config_from_args(args, cls=None):
+    "The validated config that a subcommand's parsed `args` describe (`cls`: its config class; default TrainConfig)."
+    from tunebook.train import TrainConfig
+    cls = cls or TrainConfig
+    opts = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    if opts.get("max_grad_norm") == 0: opts["max_grad_norm"] = None
+    if getattr(args, "quantize_base", False):
         if opts["method"] not in ("lora", "qlora"):
             raise ValueError(f"--quantize-base quantizes the frozen base under LoRA; it does not combine with --method {opts['method']}.")
         opts["method"] = "qlora"
+    return cls(**opts).validate()
+
+def _finetune(args) -> int:
+    from tunebook.train import Trainer
     import os
-    if "WORLD_SIZE" in os.environ: args.nproc = opts["nproc"] = int(os.environ["WORLD_SIZE"])  # a torchrun child
-    cfg = TrainConfig(**opts).validate()
+    if "WORLD_SIZE" in os.environ: args.nproc = int(os.environ["WORLD_SIZE"])  # a torchrun child
+    cfg = config_from_args(args)
     if (rc := _launch_torchrun(args)) is not None: return rc
     t0 = time.perf_counter()
     trainer = Trainer(cfg)
@@ -91,17 +102,20 @@ def _finetune(args) -> int:
         s = trainer.fit(progress=not args.quiet)
     except KeyboardInterrupt:
         print("\ninterrupted: writing a checkpoint", file=sys.stderr)
-        trainer.save_checkpoint(); return 130
+        say(f"  saved {trainer.save_checkpoint()}; continue with --resume"); return 130
     say(f"  held-out exact match: {s['eval_accuracy_before']:.1%} -> {s['eval_accuracy_after']:.1%}")
     say(f"  {s['tokens_per_second']:.0f} tokens/s, peak memory {human_bytes(s['peak_memory_bytes'])} "
           f"({s['peak_memory_measured_by']}), {time.perf_counter() - t0:.0f} s in all")
-    say(f"  wrote {cfg.output_dir}/: config.json metrics.csv loss.png model/ summary.json"
+    say(f"  wrote {cfg.output_dir}/: config.json log.txt samples.jsonl metrics.csv loss.png model/ summary.json"
           + (" adapter/" if cfg.method != "full" else ""))
     return 0
 
 # %% ../nbs/14_cli.ipynb #85736e93
 def _estimate(args) -> int:
     from tunebook.estimate import estimate
+    bad = [f"--{k.replace('_', '-')} {getattr(args, k)} must be >= {low}" for k, low in
+           (("batch_size", 1), ("seq_len", 1), ("lora_rank", 1), ("nproc", 1), ("chunked_ce", 0)) if getattr(args, k) < low]
+    if bad: raise ValueError("; ".join(bad))
     model = args.model
     if model == "embedded":
         from tunebook.embedded import EMBEDDED_DIR
@@ -161,12 +175,18 @@ def _compare(args) -> int:
     names = [c.strip() for c in args.combos.split(",")] if args.combos else list(COMBOS)
     unknown = [n for n in names if n not in COMBOS]
     if unknown: raise ValueError(f"unknown combination(s) {unknown}; known: {', '.join(COMBOS)}")
+    if args.steps < 1: raise ValueError(f"--steps {args.steps}: measure at least 1 step per combination")
     base = TrainConfig(model=args.model, method=args.method, batch_size=args.batch_size, max_seq_len=args.seq_len,
-                       packing=True, eval_samples=0, output_dir=args.output_dir)
+                       packing=True, eval_samples=0, output_dir=args.output_dir).validate()   # bad sizes stop here
     df = compare_techniques(base, names, steps=args.steps)
+    if "error" in df: df["error"] = df["error"].map(lambda e: " ".join(str(e).split()) if isinstance(e, str) else e)
     cols = [c for c in ("combination", "tokens_per_s", "peak_bytes", "final_loss", "error") if c in df]
     print(df[cols].to_string(index=False))
     if args.json: df.to_json(args.json, orient="records", indent=2)
+    failed = int(df["error"].map(lambda e: isinstance(e, str) and bool(e)).sum()) if "error" in df else 0
+    if failed == len(df):
+        print(f"tunebook compare: error: every combination failed ({failed} of {len(df)}); see the error column.", file=sys.stderr)
+        return 1
     return 0
 
 def _compare_parser(sub):
@@ -187,9 +207,8 @@ def _rl_command(module: str, config: str, runner: str):
     def run(args) -> int:
         import importlib
         mod = importlib.import_module(f"tunebook.{module}")
-        opts = {f.name: getattr(args, f.name) for f in dataclasses.fields(getattr(mod, config)) if hasattr(args, f.name)}
-        if opts.get("max_grad_norm") == 0: opts["max_grad_norm"] = None
-        summary = getattr(mod, runner)(progress=not args.quiet, **opts)
+        cfg = config_from_args(args, getattr(mod, config))   # every problem before any work
+        summary = getattr(mod, runner)(progress=not args.quiet, **dataclasses.asdict(cfg))
         print(json.dumps(summary, indent=2, default=str))
         return 0
     return run
@@ -233,11 +252,19 @@ def main(argv=None) -> int:
     args.argv = argv
     if not getattr(args, "func", None):
         parser.print_help(); return 2
+    from tunebook.rundir import RunError
     try:
         return args.func(args) or 0
-    except (ValueError, FileNotFoundError, NotADirectoryError, KeyError) as e:
-        print(f"tunebook {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError, KeyError, RunError) as e:   # a bad file, folder, option, data or checkpoint; a run's fault
+        print(f"tunebook {args.command}: error: {one_line(e)}", file=sys.stderr)
+        return getattr(e, "exit_code", 2)
+
+def one_line(e: BaseException) -> str:
+    "An error's message on one line: a list of problems joined with '; '."
+    text = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+    lines = [l.strip() for l in str(text).splitlines() if l.strip()]
+    if len(lines) < 2: return lines[0] if lines else type(e).__name__
+    return lines[0].rstrip(":") + ": " + "; ".join(l.lstrip("- ") for l in lines[1:])
 
 # %% ../nbs/14_cli.ipynb #bf9cc9ed
 #| eval: false

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +16,7 @@ from torch import nn
 
 from .core import seed_everything
 from .data import IGNORE_INDEX, SFTDataset, collate_fn, get_task, make_task
-from .model import build_model
+from .model import BUILDERS, build_model
 from .train import TrainConfig, Trainer, load_model_and_tokenizer, load_data, _prompt_messages
 
 # %% auto #0
@@ -145,14 +146,20 @@ class DistillConfig(TrainConfig):
     output_dir: str = "runs/distill"
 
     _kind = "distillation"
+    _ignores = dict(chunked_ce="distillation always uses chunked losses: set --kl-chunks",
+                    packing="distillation compares teacher and student on whole rows", nproc="distillation runs in one process")
 
     def problems(self) -> list[str]:
         bad = super().problems()
+        t = str(self.teacher)
+        if t != "embedded" and not Path(t).exists() and t.lower().replace("_", "-") not in BUILDERS:
+            bad.append(f"{self.opt('teacher')}: no such folder; give a Hugging Face model folder (config.json + *.safetensors) or 'embedded'")
+        for k in ("student_layers", "student_dim"):
+            if getattr(self, k) is not None and getattr(self, k) < 1: bad.append(f"{self.opt(k)} must be >= 1 (or leave it out)")
         if self.kl_weight < 0 or self.ce_weight < 0 or self.kl_weight + self.ce_weight == 0:
             bad.append(f"kl_weight={self.kl_weight}, ce_weight={self.ce_weight}: both >= 0 and not both 0")
         if self.temperature <= 0: bad.append(f"temperature={self.temperature} must be > 0")
         if self.kl_chunks < 1: bad.append(f"kl_chunks={self.kl_chunks} must be >= 1")
-        if self.packing: bad.append("packing is not supported for distillation")
         return bad
 
 # %% ../nbs/12a_distill.ipynb #06de48e8
@@ -167,32 +174,35 @@ class DistillTrainer(Trainer):
         c = self.config
         seed_everything(c.seed)
         if self.teacher is None:
-            self.teacher, tok = load_model_and_tokenizer(TrainConfig(model=c.teacher, tokenizer=c.tokenizer, dtype=c.dtype, device=c.device))
+            try: self.teacher, tok = load_model_and_tokenizer(TrainConfig(model=c.teacher, tokenizer=c.tokenizer, dtype=c.dtype, device=c.device))
+            except (FileNotFoundError, ValueError) as e: raise type(e)(str(e).replace("--model", "--teacher")) from None
             self.tokenizer = self.tokenizer or tok
         self.teacher.eval().requires_grad_(False)
         if self.model is None:
             if c.model is None:
                 dev = self.teacher.embed_tokens.weight.device
-                self.model = build_model(student_config(self.teacher.config, c.student_layers, c.student_dim),
-                                         dtype=self.teacher.embed_tokens.weight.dtype, device=dev)
+                try: shape = student_config(self.teacher.config, c.student_layers, c.student_dim)
+                except ValueError as e:
+                    h = max(1, self.teacher.config.n_heads // 2)
+                    raise ValueError(f"{c.opt('student_dim')} does not fit the student's {h} heads ({e}): use a multiple of "
+                                     f"{2 * h}, e.g. {2 * h * max(1, (c.student_dim or 0) // (2 * h))}.") from None
+                self.model = build_model(shape, dtype=self.teacher.embed_tokens.weight.dtype, device=dev)
             else:
                 self.model, tok = load_model_and_tokenizer(c); self.tokenizer = self.tokenizer or tok
-        if self.train_data is None:
-            _, evals, check = load_data(c, self.tokenizer)      # held-out prompts and checker
+        if self.train_data is None:   # the held-out rows of a data file never train
+            self.train_data, evals, check = load_data(c, self.tokenizer, train_on_prompt=c.distill_on_prompt)
             self.eval_data = self.eval_data if self.eval_data is not None else evals
             self.check = self.check or check
-            self.train_data = self._dataset("train", c.n_train)
         self.held_out = self._dataset("eval", max(16, c.eval_samples)) if c.data is None else None
         self.check = self.check or (lambda completion, answer: completion.strip() == str(answer).strip())
         self.rows = self.train_data
         self.n_batches = math.ceil(len(self.rows) / c.batch_size)
+        self._check_context()
         self._apply_method()
+        self._apply_memory_techniques()   # checkpointing and offloading, as for fine-tuning
         self.kl_fn = ChunkedKLDiv(c.kl_chunks, reduction="sum", temperature=c.temperature)
         from tunebook.loss import ChunkedCrossEntropy
         self.loss_fn = ChunkedCrossEntropy(c.kl_chunks, reduction="sum")
-        if c.activation_checkpointing:
-            from tunebook.memory import apply_activation_checkpointing
-            apply_activation_checkpointing(self.model)
         return self._finish_setup()
 
     def _dataset(self, split: str, n: int):
@@ -241,8 +251,10 @@ def _held_out_loss(self: DistillTrainer, data=None, batch_size: int = 32) -> dic
 def _distill_fit(self: DistillTrainer, progress: bool = True) -> dict:
     "Train; held-out KL and cross-entropy before and after join the summary."
     if not self.is_setup: self.setup()
-    before = self.held_out_loss() if self.held_out is not None else {}
+    if "held_out_before" not in self.baseline:
+        self.baseline["held_out_before"] = self.held_out_loss() if self.held_out is not None else {}
     summary = Trainer.fit(self, progress)
+    before = summary.pop("held_out_before")
     after = self.held_out_loss() if self.held_out is not None else {}
     summary.update({f"held_out_{k}_before": v for k, v in before.items()})
     summary.update({f"held_out_{k}_after": v for k, v in after.items()})

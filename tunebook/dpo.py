@@ -115,12 +115,19 @@ class DPOConfig(TrainConfig):
     output_dir: str = "runs/dpo"
 
     _kind = "DPO"
+    _ignores = dict(response_field="DPO reads --chosen-field and --rejected-field",
+                    messages_field="DPO reads prompt, chosen and rejected columns", format="DPO reads preference pairs",
+                    n_train="synthetic pairs are counted by --n-pairs", packing="DPO scores whole sequences",
+                    chunked_ce="DPO scores whole sequences", activation_offloading="not supported by DPO's step yet",
+                    optimizer_in_backward="not supported by DPO's step yet", profile_memory="not supported by DPO's step yet",
+                    nproc="DPO runs in one process")
 
     def problems(self) -> list[str]:
         bad = super().problems()
-        if self.beta <= 0: bad.append(f"beta={self.beta} must be > 0")
-        if not 0 <= self.label_smoothing < 0.5: bad.append(f"label_smoothing={self.label_smoothing} must be in [0, 0.5)")
-        if self.chunked_ce or self.packing: bad.append("DPO scores whole sequences: chunked_ce and packing are not supported")
+        if self.beta <= 0: bad.append(f"{self.opt('beta')} must be > 0")
+        if not 0 <= self.label_smoothing < 0.5: bad.append(f"{self.opt('label_smoothing')} must be in [0, 0.5)")
+        for k in ("n_pairs", "n_eval_pairs"):
+            if getattr(self, k) < 1: bad.append(f"{self.opt(k)} must be >= 1")
         return bad
 
 # %% ../nbs/12_dpo.ipynb #82a80c6e
@@ -164,8 +171,12 @@ class DPOTrainer(Trainer):
         self.check = self.check or (lambda completion, answer: completion.strip() == str(answer).strip())
         self.rows = self.train_pairs
         self.n_batches = math.ceil(len(self.rows) / c.batch_size)
+        self._check_context()
         self._apply_method()
         self.loss_fn = None
+        if c.activation_checkpointing:
+            from tunebook.memory import apply_activation_checkpointing
+            apply_activation_checkpointing(self.model)
         self.reference = Reference(self.model, "full" if c.method == "full" else "lora")
         return self._finish_setup()
 
@@ -195,8 +206,7 @@ def _dpo_train_step(self: DPOTrainer) -> dict:
         (loss / c.grad_accum_steps).backward()
         total += loss.item() / c.grad_accum_steps; stats.append(st)
         n_tok += int((batch["labels"] != IGNORE_INDEX).sum()); n_seq += int(batch["tokens"].numel())
-    params = [p for p in self.model.parameters() if p.requires_grad]
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm)) if c.max_grad_norm else None
+    grad_norm = self.clip_and_check(total)   # a non-finite loss or norm stops the run before the step is applied
     self.optimizer.step(); self.optimizer.zero_grad(set_to_none=True)
     lr = self.scheduler.get_last_lr()[0]
     self.scheduler.step(); self.step += 1
@@ -234,9 +244,9 @@ def _preference_eval(self: DPOTrainer, pairs=None, batch_size: int = 32) -> dict
 def _dpo_fit(self: DPOTrainer, progress: bool = True) -> dict:
     "Train, with held-out preference accuracy before and after, and write the run folder."
     if not self.is_setup: self.setup()
-    before = self.preference_eval()
+    if "preference_before" not in self.baseline: self.baseline["preference_before"] = self.preference_eval()
     summary = Trainer.fit(self, progress)
-    after = self.preference_eval()
+    before, after = summary.pop("preference_before"), self.preference_eval()
     summary.update({f"{k}_before": v for k, v in before.items()})
     summary.update({f"{k}_after": v for k, v in after.items()})
     summary.update(beta=self.config.beta, label_smoothing=self.config.label_smoothing)

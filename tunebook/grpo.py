@@ -24,6 +24,7 @@ from .dpo import Reference, token_logprobs
 from .generate import generate
 from .model import build_model
 from .tokenizer import load_tokenizer
+from .rundir import NonFiniteError
 from .train import TrainConfig, Trainer, encode_prompt, load_model_and_tokenizer, stop_ids, _prompt_messages
 
 # %% auto #0
@@ -160,6 +161,14 @@ class GRPOConfig(TrainConfig):
     output_dir: str = "runs/grpo"
 
     _kind = "GRPO"
+    _ignores = dict(**{k: "GRPO samples the prompts of --task (or those given to GRPOTrainer)" for k in
+                       ("data", "format", "prompt_field", "response_field", "messages_field", "eval_fraction")},
+                    batch_size="a step learns from --prompts-per-step x --group-size samples",
+                    grad_accum_steps="one optimizer step per rollout", max_seq_len="a sequence is the prompt plus --max-new-tokens",
+                    packing="rollouts are already packed by shared prompt", eval_every="GRPO evaluates before and after only",
+                    log_every="GRPO logs every step to metrics.csv", nproc="GRPO's learner runs in one process",
+                    **{k: "not supported by GRPO's step yet" for k in
+                       ("chunked_ce", "activation_checkpointing", "activation_offloading", "optimizer_in_backward", "profile_memory")})
 
     def problems(self) -> list[str]:
         bad = super().problems()
@@ -173,11 +182,20 @@ class GRPOConfig(TrainConfig):
         return bad
 
 def load_reward(spec: str | None, task: str):
-    "The reward function that `spec` ('module:function') names, or the task's checker."
+    "The reward function that `spec` ('module:function') names, checked to take (completion, row); or the task's checker."
     if spec is None: return TaskReward(task)
-    import importlib
-    mod, fn = spec.split(":")
-    return getattr(importlib.import_module(mod), fn)
+    import importlib, inspect
+    mod, _, name = spec.partition(":")
+    try: fn = getattr(importlib.import_module(mod), name)
+    except ImportError as e:
+        raise ValueError(f"--reward {spec!r}: cannot import {mod!r} ({e}); put the module on PYTHONPATH or run from its folder.") from None
+    except AttributeError:
+        raise ValueError(f"--reward {spec!r}: module {mod!r} has no {name!r}.") from None
+    try: inspect.signature(fn).bind("completion", {})
+    except TypeError as e:
+        raise ValueError(f"--reward {spec!r} must be callable as fn(completion: str, row: dict) -> float, and it is not ({e}).") from None
+    except ValueError: pass   # no signature to check (some builtins)
+    return fn
 
 @torch.no_grad()
 def evaluate_reward(model, tokenizer, rows: list[dict], reward_fn, max_new_tokens: int = 16, batch_size: int = 32) -> float:
@@ -203,15 +221,15 @@ class GRPOTrainer(Trainer):
     def setup(self) -> "GRPOTrainer":
         c = self.config
         seed_everything(c.seed)
-        if self.model is None: self.model, tok = load_model_and_tokenizer(c); self.tokenizer = self.tokenizer or tok
         task = c.task
         if task is None and (self.prompts is None or (self.reward_fn is None and c.reward is None)):
             from tunebook.embedded import FINETUNE_TASK
             task = FINETUNE_TASK
+        self.reward_fn = self.reward_fn or load_reward(c.reward, task)   # a bad --reward is refused before the model loads
+        if self.model is None: self.model, tok = load_model_and_tokenizer(c); self.tokenizer = self.tokenizer or tok
         as_rows = lambda ds: [dict(messages=_prompt_messages(r["prompt"], c.system_prompt), prompt=r["prompt"], answer=r["answer"]) for r in ds]
         if self.prompts is None: self.prompts = as_rows(make_task(task, c.n_train, seed=c.seed, split="train"))
         if self.eval_prompts is None: self.eval_prompts = as_rows(make_task(task, c.eval_samples, seed=c.seed, split="eval"))
-        self.reward_fn = self.reward_fn or load_reward(c.reward, task)
         self.rows, self.n_batches, self.loss_fn = self.prompts, 1, None
         self._apply_method()
         self.reference = Reference(self.model, "full" if c.method == "full" else "lora")
@@ -236,8 +254,7 @@ def _learn(self: GRPOTrainer, ro: dict, t0: float | None = None) -> dict:
     else: ref = lp.detach()  # no KL term
     loss, st = grpo_loss(lp, b["old_logprobs"], ref, adv, mask, c.clip_eps, c.beta)
     loss.backward()
-    params = [p for p in self.model.parameters() if p.requires_grad]
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm)) if c.max_grad_norm else None
+    grad_norm = self.clip_and_check(loss.item())   # a non-finite loss or norm stops the run before the step is applied
     self.optimizer.step(); self.optimizer.zero_grad(set_to_none=True)
     lr = self.scheduler.get_last_lr()[0]
     self.scheduler.step(); self.step += 1; self.version += 1
@@ -248,8 +265,10 @@ def _learn(self: GRPOTrainer, ro: dict, t0: float | None = None) -> dict:
                sample_seconds=ro.get("sample_seconds"), learn_seconds=time.perf_counter() - t_learn,
                time=time.perf_counter() - self._start)
     self.metrics.append(row)
+    if getattr(self, "_bar", None) is not None: self._bar.update(1); self._bar.set_postfix(reward=f"{row['reward']:.2f}")
     for cb in self.callbacks:
         if hasattr(cb, "on_step"): cb.on_step(self, row)
+    if c.save_every and self.step % c.save_every == 0 and self.step < c.max_steps: self.save_checkpoint()
     return row
 
 def _sample_rows(self: GRPOTrainer, rng: random.Random) -> list[dict]:
@@ -339,7 +358,7 @@ def _start_workers(self: GRPOTrainer):
     ref_state, self._shared = share(ref), share(self._sources)
     self._version_v, self._lock, self._stop_ev = ctx.Value("i", self.version), ctx.Lock(), ctx.Event()
     self._queue = ctx.Queue(maxsize=c.queue_size)
-    opts = dict(threads=c.generator_threads, prompts_per_step=c.prompts_per_step, group_size=c.group_size,
+    self._worker_opts = opts = dict(threads=c.generator_threads, prompts_per_step=c.prompts_per_step, group_size=c.group_size,
                 max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_k=c.top_k, beta=c.beta)
     cfg = self.model.config
     self.workers = [ctx.Process(target=_generator_worker, daemon=True, name=f"grpo-generator-{r}",
@@ -408,17 +427,28 @@ GRPOTrainer.stop_workers, GRPOTrainer.run_async = _stop_workers, _run_async
 # %% ../nbs/12b_grpo.ipynb #f969d55c
 def _grpo_fit(self: GRPOTrainer, progress: bool = True) -> dict:
     if not self.is_setup: self.setup()
+    self.claim_output()
+    try: return self._grpo_fit_owned(progress)
+    finally: self.lock.release()
+
+def _grpo_fit_owned(self: GRPOTrainer, progress: bool = True) -> dict:
     c = self.config
-    self.out.mkdir(parents=True, exist_ok=True)
-    (self.out / "config.json").write_text(json.dumps(c.to_dict(), indent=2))
-    before = evaluate_reward(self.model, self.tokenizer, self.eval_prompts, self.reward_fn, c.max_new_tokens)
+    if "eval_reward_before" not in self.baseline:
+        self.baseline["eval_reward_before"] = evaluate_reward(self.model, self.tokenizer, self.eval_prompts, self.reward_fn, c.max_new_tokens)
+    before = self.baseline["eval_reward_before"]
+    self.summary = dict(self.baseline)
     self.should_stop, interrupted, self._start = False, False, time.perf_counter()
+    from tqdm.auto import tqdm
+    self._bar = tqdm(total=c.max_steps, initial=self.step, desc="grpo", disable=not progress)
     try:
         self.run_async() if c.async_mode else self.run_sync()
     except KeyboardInterrupt:
         interrupted = True
+    except NonFiniteError as e:
+        raise self.fail(str(e)) from None
+    finally: self._bar.close()
     wall = time.perf_counter() - self._start
-    self.save_checkpoint()
+    last = self.save_checkpoint()
     after = evaluate_reward(self.model, self.tokenizer, self.eval_prompts, self.reward_fn, c.max_new_tokens)
     n = self.counters["samples"]
     self.summary = dict(eval_reward_before=before, eval_reward_after=after, steps=self.step, async_mode=c.async_mode,
@@ -427,11 +457,11 @@ def _grpo_fit(self: GRPOTrainer, progress: bool = True) -> dict:
                         final_loss=self.metrics[-1]["loss"] if self.metrics else None,
                         dropped_stale=self.counters["dropped_stale"], max_staleness_used=self.counters["max_staleness_used"],
                         max_staleness=c.max_staleness, trainable_params=self.n_trainable, total_params=count_params(self.model),
-                        method=c.method, interrupted=interrupted, stopped_early=self.step < c.max_steps)
-    self.write_outputs()
+                        method=c.method, interrupted=interrupted, stopped_early=self.step < c.max_steps, status="ok")
+    self.write_outputs(last)
     return self.summary
 
-GRPOTrainer.fit = _grpo_fit
+GRPOTrainer.fit, GRPOTrainer._grpo_fit_owned = _grpo_fit, _grpo_fit_owned
 
 # %% ../nbs/12b_grpo.ipynb #e288194d
 def run_grpo(async_mode: bool = False, progress: bool = True, **options) -> dict:

@@ -5,6 +5,8 @@
 # %% ../nbs/07_loss.ipynb #d5018e01
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,63 +39,92 @@ def _softmax_(z: torch.Tensor) -> torch.Tensor:
     z.sub_(z.amax(-1, keepdim=True)).exp_()
     return z.div_(z.sum(-1, keepdim=True))
 
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    "The matmul dtype: autocast's when it is on (fp64 is never cast), else the inputs' common dtype."
+    common = torch.promote_types(hidden.dtype, weight.dtype)
+    dev = hidden.device.type
+    if common != torch.float64 and torch.is_autocast_enabled(dev): return torch.get_autocast_dtype(dev)
+    return common
+
+def _no_autocast(device_type: str):
+    "Autocast off inside the passes (inputs are cast explicitly, once); a no-op when it is off already."
+    return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else contextlib.nullcontext()
+
 class _ChunkedLinearCE(torch.autograd.Function):
-    "Sum (or mean) of cross-entropy over `hidden @ weight.T`, one sequence chunk at a time, both passes."
+    "Sum (or mean) of cross-entropy over `hidden @ weight.T`, a chunk of the flattened tokens at a time, both passes."
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, num_chunks, ignore_index, normalizer):
-        acc = torch.promote_types(hidden.dtype, torch.float32)   # fp32, or fp64 for gradcheck
+    def forward(ctx, hidden, weight, labels, num_chunks, ignore_index, normalizer, softcap=None):
+        cdt = _compute_dtype(hidden, weight)
+        acc = torch.promote_types(cdt, torch.float32)            # fp32, or fp64 for gradcheck
         total = torch.zeros((), dtype=torch.float64, device=hidden.device)
-        for h, y in zip(hidden.tensor_split(num_chunks, dim=1), labels.tensor_split(num_chunks, dim=1)):
-            if h.shape[1] == 0: continue                      # num_chunks > T leaves empty chunks
-            z = (h @ weight.t()).to(acc)                      # (B, t, V): the only logits alive
-            z_y = z.gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)          # (B, t) target logits
-            m = z.amax(-1, keepdim=True)
-            lse = z.sub_(m).exp_().sum(-1).log_() + m.squeeze(-1)                 # in place: no second buffer
-            total += torch.where(y != ignore_index, lse - z_y, 0.0).double().sum()
-            del z
+        with _no_autocast(hidden.device.type):
+            hs, w = hidden.reshape(-1, hidden.shape[-1]).to(cdt), weight.to(cdt)   # (N, D), (V, D): cast once per call
+            for h, y in zip(hs.tensor_split(num_chunks), labels.reshape(-1).tensor_split(num_chunks)):
+                if h.shape[0] == 0: continue                     # num_chunks > N leaves empty chunks
+                z = (h @ w.t()).to(acc)                          # (n, V): plain 2-D matmul, the only logits alive
+                if softcap is not None: z.div_(softcap).tanh_().mul_(softcap)   # soft-capped in place
+                z_y = z.gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)    # (n,) target logits
+                m = z.amax(-1, keepdim=True)
+                lse = z.sub_(m).exp_().sum(-1).log_() + m.squeeze(-1)           # fp32 logsumexp, in place
+                total += torch.where(y != ignore_index, lse - z_y, 0.0).double().sum()
+                del z
         ctx.save_for_backward(hidden, weight, labels, normalizer)
-        ctx.num_chunks, ctx.ignore_index = num_chunks, ignore_index
+        ctx.num_chunks, ctx.ignore_index, ctx.softcap, ctx.cdt = num_chunks, ignore_index, softcap, cdt
         return (total / normalizer).to(acc)
 
     @staticmethod
     def backward(ctx, grad):
         hidden, weight, labels, normalizer = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
-        grad_h = torch.empty_like(hidden) if need_h else None
-        acc = torch.promote_types(hidden.dtype, torch.float32)
+        cdt, D = ctx.cdt, hidden.shape[-1]                       # the forward's dtype, autocast or not
+        acc = torch.promote_types(cdt, torch.float32)
+        grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         scale = (grad.double() / normalizer).to(acc)
         start = 0
-        for h, y in zip(hidden.tensor_split(ctx.num_chunks, dim=1), labels.tensor_split(ctx.num_chunks, dim=1)):
-            t = h.shape[1]
-            if t == 0: continue
-            dz = _softmax_((h @ weight.t()).to(acc))          # (B, t, V), recomputed
-            keep = (y != ctx.ignore_index).unsqueeze(-1)      # (B, t, 1)
-            dz.scatter_add_(-1, y.clamp(min=0).unsqueeze(-1), -keep.to(dz.dtype))   # softmax - onehot
-            dz.mul_(keep * scale)
-            dz = dz.to(hidden.dtype)
-            if need_h: grad_h[:, start:start + t] = dz @ weight
-            if need_w and dz.dtype == acc: grad_w.addmm_(dz.flatten(0, 1).t(), h.flatten(0, 1))
-            elif need_w: grad_w += (dz.flatten(0, 1).t() @ h.flatten(0, 1)).to(acc)   # bf16 matmul, fp32 sum
-            del dz
-            start += t
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
+        with _no_autocast(hidden.device.type):
+            hs, w = hidden.reshape(-1, D).to(cdt), weight.to(cdt)
+            gh = grad_h.view(-1, D) if need_h else None
+            for h, y in zip(hs.tensor_split(ctx.num_chunks), labels.reshape(-1).tensor_split(ctx.num_chunks)):
+                n = h.shape[0]
+                if n == 0: continue
+                z = (h @ w.t()).to(acc)                          # (n, V), recomputed
+                if ctx.softcap is None: dz, t_ = _softmax_(z), None
+                else:                                            # d(c tanh(z/c))/dz = 1 - tanh(z/c)^2
+                    t_ = z.div_(ctx.softcap).tanh_()
+                    dz = _softmax_(t_ * ctx.softcap)             # a second chunk-sized buffer, only with a cap
+                keep = (y != ctx.ignore_index).unsqueeze(-1)     # (n, 1)
+                dz.scatter_add_(-1, y.clamp(min=0).unsqueeze(-1), -keep.to(dz.dtype))   # softmax - onehot
+                dz.mul_(keep * scale)
+                if t_ is not None: dz.mul_(t_.square_().neg_().add_(1))
+                del z, t_
+                dz = dz.to(cdt)
+                if need_h: gh[start:start + n] = dz @ w          # (n, D), 2-D
+                if need_w and dz.dtype == acc: grad_w.addmm_(dz.t(), h)
+                elif need_w: grad_w += (dz.t() @ h).to(acc)      # bf16 matmul, fp32 sum
+                del dz
+                start += n
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None
 
 # %% ../nbs/07_loss.ipynb #c846608c
 class ChunkedCrossEntropy(nn.Module):
     "Cross-entropy of `hidden @ output_weight.T` against `labels`, without materializing full logits."
     def __init__(self,
-                 num_chunks: int = 8, # split the sequence into this many pieces (the last ones may be empty)
+                 num_chunks: int = 8, # split the B*T tokens into this many pieces (the last ones may be empty)
                  ignore_index: int = -100, # label value that contributes nothing (prompt, padding)
                  reduction: str = "mean", # "mean" over non-ignored tokens, or "sum" for gradient accumulation
+                 softcap: float | None = None, # logits = softcap * tanh(logits / softcap) first (the model's `final_softcap`)
                 ):
         super().__init__()
         if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
             raise ValueError(f"num_chunks must be an integer >= 1, got {num_chunks!r}.")
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}.")
+        if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
+            raise ValueError(f"softcap must be a positive number or None, got {softcap!r}; pass the model's final_softcap.")
         self.num_chunks, self.ignore_index, self.reduction = num_chunks, ignore_index, reduction
+        self.softcap = None if softcap is None else float(softcap)
 
     def forward(self,
                 hidden: torch.Tensor, # (B, T, D) final hidden states (after the last norm)
@@ -104,12 +135,16 @@ class ChunkedCrossEntropy(nn.Module):
                 or labels.shape != hidden.shape[:2]:
             raise ValueError(f"expected hidden (B, T, D), output_weight (V, D), labels (B, T); got hidden "
                              f"{tuple(hidden.shape)}, output_weight {tuple(output_weight.shape)}, labels {tuple(labels.shape)}.")
-        if hidden.dtype != output_weight.dtype:
-            raise TypeError(f"hidden ({hidden.dtype}) and output_weight ({output_weight.dtype}) must share a dtype.")
+        if hidden.dtype != output_weight.dtype and not torch.is_autocast_enabled(hidden.device.type):
+            raise TypeError(f"hidden ({hidden.dtype}) and output_weight ({output_weight.dtype}) must share a dtype "
+                            "(or run under torch.autocast, which casts both).")
         if labels.is_floating_point(): raise TypeError(f"labels must be integer token ids, got {labels.dtype}.")
         labels = labels.long()
         if self.reduction == "sum": normalizer = torch.ones((), dtype=torch.float64, device=hidden.device)
         else: normalizer = num_loss_tokens(labels, self.ignore_index).clamp(min=1).double()
-        return _ChunkedLinearCE.apply(hidden, output_weight, labels, self.num_chunks, self.ignore_index, normalizer)
+        return _ChunkedLinearCE.apply(hidden, output_weight, labels, self.num_chunks, self.ignore_index, normalizer,
+                                      self.softcap)
 
-    def extra_repr(self): return f"num_chunks={self.num_chunks}, ignore_index={self.ignore_index}, reduction={self.reduction!r}"
+    def extra_repr(self):
+        cap = f", softcap={self.softcap}" if self.softcap is not None else ""
+        return f"num_chunks={self.num_chunks}, ignore_index={self.ignore_index}, reduction={self.reduction!r}{cap}"

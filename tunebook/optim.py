@@ -13,6 +13,8 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
+from .core import patch
+
 # %% auto #0
 __all__ = ['SCHEDULES', 'check_compatible', 'InBackwardOptimizer', 'optimizer_in_backward', 'SchedulerGroup', 'warmup_cosine',
            'warmup_linear', 'warmup_constant', 'lambda_schedule', 'get_cosine_schedule_with_warmup',
@@ -82,37 +84,35 @@ def optimizer_in_backward(model: nn.Module, # the model to train
     return InBackwardOptimizer(model, optimizer_cls, **hparams)
 
 # %% ../nbs/08_optim.ipynb #c8103a0f
-@property
-def _lr(self: InBackwardOptimizer) -> float:
+@patch(as_prop=True)
+def lr(self: InBackwardOptimizer) -> float:
     "The learning rate of the per-parameter optimizers (all equal unless set by hand)."
     return next(iter(self.optimizers.values())).param_groups[0]["lr"]
-InBackwardOptimizer.lr = _lr
 
-def _set_lr(self: InBackwardOptimizer, lr: float) -> None:
+@patch
+def set_lr(self: InBackwardOptimizer, lr: float) -> None:
     "Set the learning rate of every per-parameter optimizer."
     for opt in self.optimizers.values():
         for group in opt.param_groups: group["lr"] = lr
-InBackwardOptimizer.set_lr = _set_lr
 
-@property
-def _param_groups(self: InBackwardOptimizer) -> list[dict]:
+@patch(as_prop=True)
+def param_groups(self: InBackwardOptimizer) -> list[dict]:
     "All param groups of all per-parameter optimizers, for code that reads `optimizer.param_groups`."
     return [g for opt in self.optimizers.values() for g in opt.param_groups]
-InBackwardOptimizer.param_groups = _param_groups
 
 # %% ../nbs/08_optim.ipynb #c153477a
-def _state_dict(self: InBackwardOptimizer) -> dict:
+@patch
+def state_dict(self: InBackwardOptimizer) -> dict:
     "Every per-parameter optimizer's state dict, keyed by parameter name."
     return {n: opt.state_dict() for n, opt in self.optimizers.items()}
-InBackwardOptimizer.state_dict = _state_dict
 
-def _load_state_dict(self: InBackwardOptimizer, state_dict: dict) -> None:
+@patch
+def load_state_dict(self: InBackwardOptimizer, state_dict: dict) -> None:
     "Load what `state_dict` saved; the parameter names must match."
     missing, unexpected = set(self.optimizers) - set(state_dict), set(state_dict) - set(self.optimizers)
     if missing or unexpected:
         raise KeyError(f"optimizer state does not match the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}.")
     for n, opt in self.optimizers.items(): opt.load_state_dict(state_dict[n])
-InBackwardOptimizer.load_state_dict = _load_state_dict
 
 # %% ../nbs/08_optim.ipynb #7a0d4d04
 class SchedulerGroup:
@@ -129,12 +129,12 @@ class SchedulerGroup:
             raise KeyError(f"scheduler state is for parameters {sorted(state_dict)}, but this group has {sorted(self.schedulers)}.")
         for n, s in self.schedulers.items(): s.load_state_dict(state_dict[n])
 
-def _lr_scheduler(self: InBackwardOptimizer, make: Callable[[Optimizer], object]) -> SchedulerGroup:
+@patch
+def lr_scheduler(self: InBackwardOptimizer, make: Callable[[Optimizer], object]) -> SchedulerGroup:
     "Attach `make(optimizer)` to every per-parameter optimizer; step the returned group once per training step."
     group = SchedulerGroup({n: make(opt) for n, opt in self.optimizers.items()})
     self.schedulers.append(group)
     return group
-InBackwardOptimizer.lr_scheduler = _lr_scheduler
 
 # %% ../nbs/08_optim.ipynb #6327d532
 def _check_steps(warmup_steps, total_steps=None, min_lr_ratio=0.0):

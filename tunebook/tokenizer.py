@@ -274,7 +274,9 @@ def load_tokenizer(path) -> Tokenizer:
         add_bos = bool(pre) and pre[-1:] == [backend.token_to_id(special["bos_token"])]
         add_eos = bool(post) and post[:1] == [backend.token_to_id(special["eos_token"])]
         cleanup = cleanup and type(backend.tok.model).__name__ != "BPE"   # as transformers 5: destructive for BPE
-    return Tokenizer(backend, special, bool(add_bos), bool(add_eos), _chat_template(folder, cfg), added, cleanup, str(file))
+    tok = Tokenizer(backend, special, bool(add_bos), bool(add_eos), _chat_template(folder, cfg), added, cleanup, str(file))
+    tok.template_in_file = (folder / "chat_template.jinja").is_file()   # saved back the way the source stored it
+    return tok
 
 # %% ../nbs/04_tokenizer.ipynb #12f11c3e
 def _render(self: Tokenizer, messages, add_generation_prompt=False, **kwargs) -> str:
@@ -374,7 +376,9 @@ def _save(self: Tokenizer, path) -> Path:
            "added_tokens_decoder": {str(i): {"content": t["content"], "special": t.get("special", False), "lstrip": False,
                                             "rstrip": False, "normalized": False, "single_word": False}
                                     for i, t in sorted(self.added_tokens.items())}}
-    if self.chat_template: cfg["chat_template"] = self.chat_template
+    if self.chat_template and getattr(self, "template_in_file", False):   # transformers 5 style, as the source had it
+        (path / "chat_template.jinja").write_text(self.chat_template, encoding="utf-8")
+    elif self.chat_template: cfg["chat_template"] = self.chat_template
     (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return path
 

