@@ -4,8 +4,11 @@ PY     := $(VENV)/bin/python
 BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 FLAGS  ?= slow
+# the bench peers (torchtune 0.6.1 pins torchao 0.15) live in their own venv; tests/test_bench_smoke.py uses it
+BENCHVENV ?= .venv-bench
+BENCHPY   := $(BENCHVENV)/bin/python
 
-.PHONY: install demo test check notebooks pytest bench readme clean
+.PHONY: install bench-env demo test check notebooks pytest bench readme clean
 
 install: $(VENV)/.installed
 
@@ -15,6 +18,15 @@ $(VENV)/.installed: settings.ini setup.py
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+bench-env: $(BENCHVENV)/.installed
+
+$(BENCHVENV)/.installed: settings.ini setup.py
+	test -x $(BENCHPY) || python3 -m venv $(BENCHVENV)
+	$(BENCHPY) -m pip install -q --upgrade pip
+	$(BENCHPY) -m pip install -q "$(TORCH)"
+	$(BENCHPY) -m pip install -q -e ".[bench]" "transformers>=4.45" "peft>=0.13,<0.19"
 	touch $@
 
 demo: install
@@ -29,8 +41,8 @@ notebooks: install
 	OMP_NUM_THREADS=1 $(BIN)/nbdev_test --path nbs --flags "$(FLAGS)" --n_workers 2 --timing
 	$(BIN)/nbdev_test --path index.ipynb --flags "$(FLAGS)" --timing
 
-pytest: install
-	$(PY) -m pytest -q tests
+pytest: install bench-env
+	TUNEBOOK_BENCH_PY=$(abspath $(BENCHPY)) $(PY) -m pytest -q tests
 
 test: check notebooks pytest
 

@@ -121,3 +121,37 @@ def test_grpo_end_to_end(tmp_path):
     import pandas as pd
     m = pd.read_csv(out / "metrics.csv")
     assert m["samples"].tolist() == [8, 8] and m["reward"].between(0, 1).all()
+
+
+def test_hub_name_resolves_offline_and_unknown_is_one_line(tmp_path):
+    """--model ORG/NAME (and --revision) goes through tunebook.hub.resolve_model: a name in the local cache trains on
+    that snapshot (the pinned revision's weights, not main's); a name that is not cached offline is one line, exit 2."""
+    import shutil
+    from test_hub import write_cache
+    from tunebook.checkpoint import load_hf, save_hf
+    from tunebook.embedded import EMBEDDED_DIR
+    shutil.copytree(EMBEDDED_DIR, tmp_path / "v1")                 # tag v1: the shipped weights
+    m = load_hf(EMBEDDED_DIR)                                       # main: other weights, the same tokenizer
+    with torch.no_grad():
+        for p in m.parameters(): p.mul_(0.5)
+    save_hf(m, tmp_path / "main")
+    for f in EMBEDDED_DIR.iterdir():
+        if not (tmp_path / "main" / f.name).exists(): shutil.copy(f, tmp_path / "main" / f.name)
+    write_cache(tmp_path / "home" / "hub", "acme/emb", {"1" * 40: tmp_path / "v1", "2" * 40: tmp_path / "main"},
+                {"main": "2" * 40, "v1": "1" * 40})
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_CACHE"}
+    env.update(HF_HOME=str(tmp_path / "home"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    def first_loss(*model):
+        out = tmp_path / "run"
+        r = subprocess.run([sys.executable, "-m", "tunebook.cli", "finetune", "--quiet", *model, "--max-steps", "1", "--eval-samples", "0",
+                            "--n-train", "16", "--batch-size", "8", "--output-dir", str(out)], capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads((out / "summary.json").read_text())["final_loss"]
+    local = first_loss("--model", str(tmp_path / "v1"))
+    assert first_loss("--model", "acme/emb", "--revision", "v1") == local      # the pinned snapshot, bit for bit
+    assert first_loss("--model", "acme/emb") != local                          # main: the other weights
+    r = subprocess.run([sys.executable, "-m", "tunebook.cli", "finetune", "--model", "nobody-h8/no-such-model",
+                        "--output-dir", str(tmp_path / "never")], capture_output=True, text=True, env=env)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1 and "nobody-h8/no-such-model" in err[0] and "HF_HUB_OFFLINE" in err[0], r.stderr
+    assert not (tmp_path / "never").exists()

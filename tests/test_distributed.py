@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from tunebook.distributed import consolidate_to_hf, load_distributed, shard_model, torchrun_command
 from tunebook.launch import RankError, launch, max_processes
 from tunebook.memory import fsdp_memory
-from tunebook.model import build_model, pico
+from tunebook.model import build_model, gemma3_270m, phi3_mini, pico, qwen3_0_6b
 
 pytestmark = pytest.mark.skipif(max_processes("gloo") < 2, reason="needs 2 CPU cores for 2 gloo ranks")
 
@@ -41,16 +41,16 @@ def _batches():
     return out
 
 
-def train(lora=False, in_backward=False):
-    """3 steps on a pico model; sharded over the process group when there is one. Returns losses, weights, bytes."""
+def train(lora=False, in_backward=False, config=None):
+    """3 steps on a pico model (or `config`); sharded over the process group when there is one. Returns losses, weights, bytes."""
     import torch.distributed as dist
     from tunebook.distributed import dp_loss, global_mean, output_weight
     from tunebook.lora import apply_lora
     from tunebook.loss import ChunkedCrossEntropy
     from tunebook.optim import optimizer_in_backward
     torch.manual_seed(0)
-    model = build_model(pico(**CFG))
-    if lora: apply_lora(model, rank=4, alpha=8, targets=("q_proj", "v_proj", "down_proj"))
+    model = build_model(config or pico(**CFG))
+    if lora: apply_lora(model, rank=4, alpha=8, targets=("all-linear",) if config else ("q_proj", "v_proj", "down_proj"))
     ws, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     if ws > 1: shard_model(model)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -97,6 +97,40 @@ def test_fsdp_matches_one_process(two_rank_runs, case):
         torch.testing.assert_close(w1[k], v, rtol=0, atol=1e-5, msg=k)
         moved += not torch.equal(v, init.get(k, v))
     assert moved > 0                        # training changed weights
+
+
+# the other families' blocks (Gemma's sandwich norms and local/global layers, Phi-3's fused projections, Qwen3's
+# q/k norms) are sharded per block the same way: two ranks must train them exactly as one process does
+FAMILIES = {
+    "qwen3": qwen3_0_6b(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=512, head_dim=16),
+    "gemma3": gemma3_270m(n_layers=2, dim=64, n_heads=4, n_kv_heads=1, hidden_dim=128, vocab_size=512, head_dim=16,
+                          query_pre_attn_scalar=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    "phi3": phi3_mini(n_layers=2, dim=64, n_heads=4, n_kv_heads=4, hidden_dim=128, vocab_size=512, sliding_window=8),
+}
+
+
+def train_families():
+    return {(name, lora): train(lora, False, cfg) for name, cfg in FAMILIES.items() for lora in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def two_rank_family_runs():
+    return launch(train_families, nproc=2, verbose=False, timeout=300)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_fsdp_families_match_one_process(two_rank_family_runs, name, lora):
+    ref_losses, ref_w, _ = train(lora, False, FAMILIES[name])
+    (l0, w0, _), (l1, w1, _) = two_rank_family_runs[0][(name, lora)], two_rank_family_runs[1][(name, lora)]
+    assert l0 == l1
+    torch.testing.assert_close(torch.tensor(l0), torch.tensor(ref_losses), rtol=0, atol=1e-5)
+    init = build_model(FAMILIES[name]).state_dict()
+    moved = 0
+    for k, v in ref_w.items():
+        torch.testing.assert_close(w0[k], v, rtol=0, atol=1e-5, msg=k)
+        moved += not torch.equal(v, init.get(k, v))
+    assert moved > 0
 
 
 @pytest.mark.parametrize("case", [0, 2], ids=["full", "lora"])

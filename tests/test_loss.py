@@ -266,3 +266,92 @@ def test_softcap_bad_values():
     for bad in (0, -1.0, "30", True):
         with pytest.raises(ValueError, match="softcap must be a positive number"):
             ChunkedCrossEntropy(softcap=bad)
+
+
+# bf16 autocast (fp32 master weights): both passes in bf16, the weight cast once per pass, fp32 softmax statistics
+
+def autocast_bf16(fn):
+    def f(*args):
+        with torch.autocast("cpu", dtype=torch.bfloat16): return fn(*args)
+    return f
+
+
+@pytest.mark.parametrize("num_chunks", [1, 8, 64])
+@pytest.mark.parametrize("cap", [None, 5.0])
+def test_autocast_matches_autocast_reference(num_chunks, cap):
+    "Against F.cross_entropy on full logits computed under the same autocast: loss 1e-5, grads one bf16 step."
+    hidden, weight, labels = make_inputs(T=37)
+    if cap is not None: weight = weight * 8
+    ref_fn = reference if cap is None else capped_reference(cap)
+    ref = run(autocast_bf16(ref_fn), hidden, weight, labels)
+    ours = run(autocast_bf16(ChunkedCrossEntropy(num_chunks, softcap=cap)), hidden, weight, labels)
+    assert [t.dtype for t in ours] == [torch.float32] * 3
+    assert (ours[0] - ref[0]).abs() <= 1e-5, (ours[0], ref[0])
+    for a, b in zip(ours[1:], ref[1:]):
+        assert (a - b).abs().max() <= 2**-7 * b.abs().max(), ((a - b).abs().max(), b.abs().max())
+    # and autocast really applies: the fp32 loss is measurably different
+    assert (run(ChunkedCrossEntropy(num_chunks, softcap=cap), hidden, weight, labels)[0] - ref[0]).abs() > 3e-5
+
+
+class OpLog(TorchDispatchMode):
+    "Record (op name, input dtypes, input shapes) of every aten op run inside the block."
+    def __init__(self):
+        super().__init__(); self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        ts = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        self.ops.append((func.__name__.split(".")[0], [t.dtype for t in ts], [tuple(t.shape) for t in ts]))
+        return func(*args, **(kwargs or {}))
+
+
+def op_logs(fn, hidden, weight, labels):
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with OpLog() as fwd: loss = fn(h, w, labels)
+    with OpLog() as bwd: loss.backward()
+    return fwd.ops, bwd.ops
+
+
+MATMULS = ("mm", "addmm", "addmm_", "bmm", "matmul", "baddbmm")
+
+
+def weight_copies(ops, V, D):
+    return sum(op in ("_to_copy", "copy_", "clone", "contiguous") and ((V, D) in shapes or (D, V) in shapes)
+               for op, _, shapes in ops)
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_autocast_bf16_matmuls_in_both_passes_weight_cast_once(B):
+    hidden, weight, labels = make_inputs(B=B, T=24, D=32, V=500)
+    for ops in op_logs(autocast_bf16(ChunkedCrossEntropy(8)), hidden, weight, labels):
+        mms = [(op, dts) for op, dts, _ in ops if op in MATMULS]
+        assert len(mms) >= 8 and all(dt == torch.bfloat16 for _, dts in mms for dt in dts), mms
+        assert all(op == "mm" for op, _ in mms), mms                 # plain 2-D products only
+        assert weight_copies(ops, 500, 32) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flat_chunks_are_plain_2d_matmuls(dtype):
+    "B > 1: no batched product and no weight-sized copy per chunk (only bf16's final cast of the fp32 dW)."
+    hidden, weight, labels = make_inputs(B=4, T=20, D=32, V=500, dtype=dtype)
+    fwd, bwd = op_logs(ChunkedCrossEntropy(8), hidden, weight, labels)
+    assert all(op == "mm" or op == "addmm_" for op, _, _ in fwd + bwd if op in MATMULS)
+    assert not any(op == "expand" for op, _, _ in fwd + bwd)
+    assert weight_copies(fwd, 500, 32) == 0 and weight_copies(bwd, 500, 32) == (dtype == torch.bfloat16)
+    # the chunks are row blocks of the 80 flattened tokens, 10 each (sequence chunks would be 4 x 3 or 4 x 2)
+    assert {shapes[0] for op, _, shapes in fwd if op == "mm"} == {(10, 32)}
+
+
+def test_autocast_mixed_dtypes_and_fp64():
+    hidden, weight, labels = make_inputs()
+    hb, wf = hidden.bfloat16().requires_grad_(), weight.clone().requires_grad_()
+    loss = autocast_bf16(ChunkedCrossEntropy(4))(hb, wf, labels)
+    loss.backward()
+    assert (loss.dtype, hb.grad.dtype, wf.grad.dtype) == (torch.float32, torch.bfloat16, torch.float32)
+    ref = run(autocast_bf16(reference), hidden.bfloat16().float(), weight, labels)[0]
+    assert (loss - ref).abs() <= 1e-5
+    with pytest.raises(TypeError, match="must share a dtype"): ChunkedCrossEntropy(4)(hb, wf, labels)
+    # fp64 is never autocast: same as outside autocast, to fp64 precision
+    h64, w64 = hidden.double(), weight.double()
+    a = run(autocast_bf16(ChunkedCrossEntropy(4)), h64, w64, labels)
+    b = run(lambda h, w, y: F.cross_entropy((h @ w.t()).flatten(0, 1), y.flatten()), h64, w64, labels)   # fp64 throughout
+    assert a[0].dtype == torch.float64 and max((x - y).abs().max().item() for x, y in zip(a, b)) <= 1e-12

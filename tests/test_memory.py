@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tunebook.core import seed_everything
-from tunebook.estimate import estimate
+from tunebook.memory import estimate
 from tunebook.lora import FrozenLinear, apply_lora
 from tunebook.loss import cross_entropy_loss
 from tunebook.memory import (OffloadActivations, apply_activation_checkpointing, profile_step,
@@ -142,7 +142,7 @@ def test_measure_refuses_what_does_not_fit():
 
 @pytest.mark.slow
 def test_70b_estimate_is_small():
-    code = ("import time, resource; from tunebook.estimate import estimate; t = time.time(); "
+    code = ("import time, resource; from tunebook.memory import estimate; t = time.time(); "
             "r = estimate('llama3.1-70b', batch_size=1, seq_len=2048); "
             "print(r.peak_bytes, time.time() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
@@ -169,9 +169,10 @@ def test_optimizer_steps_in_other_threads_are_ignored():
 
 
 def test_chunked_ce_zero_is_off_as_in_training():
-    a, b = estimate(TINY, seq_len=32, chunked_ce=0), estimate(TINY, seq_len=32, chunked_ce=None)
+    # long enough that the logits (not the optimizer step) set the peak, so chunking shows in it
+    a, b = estimate(TINY, seq_len=256, chunked_ce=0), estimate(TINY, seq_len=256, chunked_ce=None)
     assert a.peak_bytes == b.peak_bytes and a.categories == b.categories
-    assert estimate(TINY, seq_len=32, chunked_ce=4).peak_bytes != a.peak_bytes
+    assert estimate(TINY, seq_len=256, chunked_ce=4).peak_bytes < a.peak_bytes
 
 
 def test_estimate_lora_defaults_are_the_trainers():

@@ -9,6 +9,7 @@ fails the test, so a new option cannot be added without saying how it is honoure
 import argparse
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -22,6 +23,7 @@ from tunebook.model import build_model, pico
 from tunebook.tokenizer import train_tokenizer
 
 COMMANDS = ("finetune", "estimate", "compare", "dpo", "distill", "grpo")
+PASSTHROUGH = ("generate", "chat", "eval")   # their own parsers (tunebook.chat, tunebook.lmeval) and tests (test_chat, test_lmeval)
 
 
 def _sub(cmd):
@@ -44,6 +46,16 @@ def test_every_help_prints(cmd):
         assert a.option_strings[0] in out.stdout, (cmd, a.option_strings[0])
 
 
+@pytest.mark.parametrize("cmd", PASSTHROUGH)
+def test_passthrough_help_prints(cmd):
+    """`tunebook --help` lists generate/chat/eval, and `tunebook CMD --help` is that command's own parser's."""
+    top = subprocess.run([sys.executable, "-m", "tunebook.cli", "--help"], capture_output=True, text=True)
+    assert top.returncode == 0 and f"    {cmd} " in top.stdout, top.stdout
+    out = subprocess.run([sys.executable, "-m", "tunebook.cli", cmd, "--help"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith(f"usage: tunebook {cmd}") and "--help" in out.stdout, out.stdout[:500]
+
+
 # ---------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
@@ -60,6 +72,9 @@ def env(tmp_path_factory):
     (root / "q.jsonl").write_text("\n".join(json.dumps(dict(question=r["prompt"], answer=r["response"])) for r in rows))
     (root / "c.jsonl").write_text("\n".join(json.dumps(dict(conv=[dict(role="user", content=r["prompt"]),
                                                                dict(role="assistant", content=r["response"])])) for r in rows))
+    (root / "mt.jsonl").write_text("\n".join(json.dumps(dict(messages=[dict(role="user", content=r["prompt"]), dict(role="assistant", content="ok"),
+                                                                    dict(role="user", content="again"), dict(role="assistant", content=r["response"])]))
+                                             for r in rows))   # two assistant turns: --train-on last learns fewer tokens
     pairs = [dict(prompt=r["prompt"], chosen=r["response"], rejected=r["response"][1:] or "x") for r in rows]
     (root / "p.jsonl").write_text("\n".join(json.dumps(p) for p in pairs))
     (root / "pg.jsonl").write_text("\n".join(json.dumps(dict(prompt=p["prompt"], good=p["chosen"], bad=p["rejected"])) for p in pairs))
@@ -144,6 +159,14 @@ SHARED = {
     "task": lambda env: ("copy", lambda t, d: _evals(t)[0]["messages"][-1]["content"].startswith("copy")),
     "n_train": lambda env: ("16", lambda t, d: len(_rows(t)) == 16 != len(_rows(d))),
     "system_prompt": lambda env: ("Be terse.", lambda t, d: _evals(t)[0]["messages"][0] == {"role": "system", "content": "Be terse."}),
+    # a tracker beside metrics.csv: TensorBoard event files in the run folder, for every trainer (same callback hooks)
+    "loggers": lambda env: ("tensorboard", ("run", lambda s, t: any((t.out / "tensorboard").glob("events.out.tfevents.*")))),
+    # a revision with a local folder is refused (tests/test_cli.py trains a pinned hub revision from a local cache)
+    "revision": lambda env: ("v1", "a revision pins a hub repo"),
+    "train_on": lambda env: ("last", lambda t, d: t.train_data.stats.trained_tokens < d.train_data.stats.trained_tokens),
+    # the tokenizer has a chat template: used by default; with the flag, the documented plain layout (other tokens)
+    "chat_template": lambda env: ("--no", lambda t, d: t.train_data.use_chat_template is False and d.train_data.use_chat_template is True
+                                  and _rows(t)[0]["tokens"] != _rows(d)[0]["tokens"]),
     "format": lambda env: ("chat", "messages"),   # an instruct file read as chat: refused, naming the missing column
     "prompt_field": lambda env: ("question", _loads),
     "response_field": lambda env: ("answer", _loads),
@@ -178,7 +201,7 @@ SHARED = {
     "eval_samples": lambda env: ("1", lambda t, d: len(_evals(t)) == 1 < len(_evals(d))),
     "eval_every": lambda env: ("1", ("run", lambda s, t: [r.get("eval_accuracy") is not None for r in t.metrics] == [True] * t.step)),
     "max_new_tokens": lambda env: ("3", ("spy", "generate", lambda k: k["max_new_tokens"] == 3)),
-    "log_every": lambda env: ("1", ("run", lambda s, t: sum(l.startswith("step ") for l in (t.out / "log.txt").read_text().splitlines()) == t.step)),
+    "log_every": lambda env: ("1", ("run", lambda s, t: sum(re.match(r"step \d+/\d+ loss ", l) is not None for l in (t.out / "log.txt").read_text().splitlines()) == t.step)),
     "save_every": lambda env: ("1", ("run", lambda s, t: len(list((t.out / "checkpoints").glob("step_*"))) == 2)),
     "output_dir": lambda env: (str(env / "out" / "elsewhere"), ("run", lambda s, t: (env / "out" / "elsewhere" / "summary.json").exists())),
     "resume": lambda env: (None, "resume"),
@@ -236,7 +259,7 @@ PER_COMMAND = {
 }
 ASYNC = {"async_mode", "num_generators", "queue_size", "max_staleness", "sync_every", "generator_threads", "learner_threads", "worker_timeout"}
 DATA_FOR = {"prompt_field": "q.jsonl", "response_field": "q.jsonl", "messages_field": "c.jsonl", "eval_fraction": "d.jsonl",
-            "format": "d.jsonl", "chosen_field": "pg.jsonl", "rejected_field": "pg.jsonl"}
+            "format": "d.jsonl", "train_on": "mt.jsonl", "chat_template": "c.jsonl", "chosen_field": "pg.jsonl", "rejected_field": "pg.jsonl"}
 
 
 def _entry(cmd, dest, env):
@@ -256,6 +279,8 @@ def _split_argv(cmd, dest, value, env):
         if dest == "chosen_field": ctx += ["--rejected-field", "bad"]
         if dest == "rejected_field": ctx += ["--chosen-field", "good"]
         if dest == "eval_fraction": ctx += ["--eval-samples", "30"]
+        if dest == "chat_template": ctx += ["--messages-field", "conv"]
+        if dest == "train_on": ctx += ["--no-chat-template"] + (["--no-distill-on-prompt"] if cmd == "distill" else [])  # else every token
     if cmd == "distill" and (dest.startswith("lora_") or dest == "method"):   # the student is 16 wide: rank 4
         ctx += ["--method", "lora"] * (dest != "method") + ["--lora-rank", "4"] * (dest != "lora_rank")
     if dest == "schedule": ctx += ["--max-steps", "4"]
@@ -366,7 +391,8 @@ def test_ignored_option_is_refused(env, cmd, dest, capsys):
     a = _flags(cmd, hidden=True)[dest]
     value = {"data": str(env / "d.jsonl"), "format": "chat", "chunked_ce": "4", "nproc": "2", "eval_fraction": "0.5",
              "max_seq_len": "32", "batch_size": "3", "n_train": "3", "grad_accum_steps": "4", "eval_every": "2", "log_every": "3"}.get(dest)
-    argv = [a.option_strings[0]] if isinstance(a, argparse.BooleanOptionalAction) or a.nargs == 0 else [a.option_strings[0], value or "x"]
+    bool_flag = a.option_strings[1] if a.default is True else a.option_strings[0]   # --no-X when X is on by default
+    argv = [bool_flag] if isinstance(a, argparse.BooleanOptionalAction) or a.nargs == 0 else [a.option_strings[0], value or "x"]
     rc = main([cmd, "--teacher" if cmd == "distill" else "--model", str(env / "tiny"), *BASE[cmd],
                "--output-dir", str(env / "out" / f"h-{cmd}-{dest}"), *argv])
     err = capsys.readouterr().err
@@ -447,7 +473,7 @@ def test_bad_value_is_one_clear_line_before_any_work(env, argv, want, capsys):
 def test_compare_exits_nonzero_when_every_combination_fails(env, capsys, monkeypatch):
     """O32's other half: an error in every row is a failed command, and the table shows it on one line."""
     import pandas as pd
-    import tunebook.widgets as W
+    import tunebook.live as W   # the CLI takes it from tunebook.live, so `tunebook compare` never imports ipywidgets
     monkeypatch.setattr(W, "compare_techniques", lambda base, names, steps: pd.DataFrame(
         [dict(combination=n, error="RuntimeError: boom\nsecond line") for n in names]))
     rc = main(["compare", "--model", str(env / "tiny"), "--combos", "baseline", "--steps", "1",

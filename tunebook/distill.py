@@ -17,7 +17,7 @@ from torch import nn
 from .core import seed_everything
 from .data import IGNORE_INDEX, SFTDataset, collate_fn, get_task, make_task
 from .model import BUILDERS, build_model
-from .train import TrainConfig, Trainer, load_model_and_tokenizer, load_data, _prompt_messages
+from .train import TrainConfig, Trainer, load_model_and_tokenizer, load_data, _prompt_messages, _HUB_NAME
 
 # %% auto #0
 __all__ = ['kl_div_loss', 'ChunkedKLDiv', 'student_config', 'DistillConfig', 'DistillTrainer', 'run_distill']
@@ -152,7 +152,7 @@ class DistillConfig(TrainConfig):
     def problems(self) -> list[str]:
         bad = super().problems()
         t = str(self.teacher)
-        if t != "embedded" and not Path(t).exists() and t.lower().replace("_", "-") not in BUILDERS:
+        if t != "embedded" and not Path(t).exists() and t.lower().replace("_", "-") not in BUILDERS and not _HUB_NAME.match(t):
             bad.append(f"{self.opt('teacher')}: no such folder; give a Hugging Face model folder (config.json + *.safetensors) or 'embedded'")
         for k in ("student_layers", "student_dim"):
             if getattr(self, k) is not None and getattr(self, k) < 1: bad.append(f"{self.opt(k)} must be >= 1 (or leave it out)")
@@ -174,7 +174,8 @@ class DistillTrainer(Trainer):
         c = self.config
         seed_everything(c.seed)
         if self.teacher is None:
-            try: self.teacher, tok = load_model_and_tokenizer(TrainConfig(model=c.teacher, tokenizer=c.tokenizer, dtype=c.dtype, device=c.device))
+            try: self.teacher, tok = load_model_and_tokenizer(TrainConfig(model=c.teacher, tokenizer=c.tokenizer, revision=c.revision,
+                                                                                 dtype=c.dtype, device=c.device))
             except (FileNotFoundError, ValueError) as e: raise type(e)(str(e).replace("--model", "--teacher")) from None
             self.tokenizer = self.tokenizer or tok
         self.teacher.eval().requires_grad_(False)
@@ -202,7 +203,11 @@ class DistillTrainer(Trainer):
         self._apply_memory_techniques()   # checkpointing and offloading, as for fine-tuning
         self.kl_fn = ChunkedKLDiv(c.kl_chunks, reduction="sum", temperature=c.temperature)
         from tunebook.loss import ChunkedCrossEntropy
-        self.loss_fn = ChunkedCrossEntropy(c.kl_chunks, reduction="sum")
+        caps = {n: getattr(m, "final_softcap", None) for n, m in (("teacher", self.teacher), ("student", self.model))}
+        if any(caps.values()):   # the chunked KL projects hidden states itself and has no cap: it would compare the wrong logits
+            raise ValueError(f"distillation does not support a final logit soft-cap yet ({', '.join(f'{k} {v}' for k, v in caps.items() if v)}"
+                             f"; Gemma models have one): use --teacher and a student without final_logit_softcapping.")
+        self.loss_fn = ChunkedCrossEntropy(c.kl_chunks, reduction="sum", softcap=getattr(self.model, "final_softcap", None) or None)
         return self._finish_setup()
 
     def _dataset(self, split: str, n: int):
@@ -210,12 +215,13 @@ class DistillTrainer(Trainer):
         if c.data is not None:
             return SFTDataset(c.data, self.tokenizer, max_seq_len=c.max_seq_len, format=c.format, prompt_column=c.prompt_field,
                               response_column=c.response_field, messages_column=c.messages_field,
-                              system_prompt=c.system_prompt, train_on_prompt=c.distill_on_prompt)
+                              system_prompt=c.system_prompt, train_on_prompt=c.distill_on_prompt, train_on=c.train_on,
+                              use_chat_template=None if c.chat_template else False)
         if c.task is None:
             from tunebook.embedded import FINETUNE_TASK
         rows = make_task(c.task or FINETUNE_TASK, n, seed=c.seed, split=split)
         return SFTDataset(rows, self.tokenizer, max_seq_len=c.max_seq_len, system_prompt=c.system_prompt,
-                          train_on_prompt=c.distill_on_prompt)
+                          train_on_prompt=c.distill_on_prompt, use_chat_template=None if c.chat_template else False)
 
 # %% ../nbs/12a_distill.ipynb #0dee21e9
 def _distill_loss_sum(self: DistillTrainer, batch: dict) -> torch.Tensor:

@@ -17,6 +17,7 @@ from torch.utils.data import Dataset as TorchDataset
 
 from .core import seed_everything
 from .data import IGNORE_INDEX, collate_fn, encode_conversation, get_task, load_records, make_preference_pairs, shift_labels
+from .records import preference_example
 from .train import TrainConfig, Trainer, load_model_and_tokenizer, _prompt_messages
 
 # %% auto #0
@@ -39,11 +40,15 @@ class PreferenceDataset(TorchDataset):
     def __init__(self, source, tokenizer, max_seq_len: int = 2048, prompt_column: str = "prompt",
                  chosen_column: str = "chosen", rejected_column: str = "rejected", system_prompt: str | None = None):
         rows = load_records(source)
-        missing = [c for c in (prompt_column, chosen_column, rejected_column) if c not in rows.column_names]
-        if missing: raise ValueError(f"preference data needs columns {missing}; it has {rows.column_names}.")
+        # the prompt may live in the chosen/rejected message lists instead of its own column
+        missing = [c for c in (chosen_column, rejected_column) if c not in rows.column_names]
+        if missing: raise ValueError(f"preference data needs columns {missing}; it has {rows.column_names} "
+                                     "(name them with --chosen-field and --rejected-field).")
         self.rows, self.pad_id = rows, getattr(tokenizer, "pad_id", None) or 0
-        self.pairs = [encode_pair(tokenizer, r[prompt_column], r[chosen_column], r[rejected_column], max_seq_len, system_prompt)
-                      for r in rows]
+        # (prompt messages, chosen text, rejected text, place): strings or message lists; a non-text value is refused with its place
+        self.examples = [(*preference_example(r, rows.where(i), prompt_column, chosen_column, rejected_column, system_prompt),
+                          rows.where(i)) for i, r in enumerate(rows)]
+        self.pairs = [encode_pair(tokenizer, m, c, r, max_seq_len) for m, c, r, _ in self.examples]
         empty = sum(all(l == IGNORE_INDEX for l in p[s]["labels"]) for p in self.pairs for s in ("chosen", "rejected"))
         if empty: raise ValueError(f"{empty} responses have no token left to score after truncation to max_seq_len={max_seq_len}.")
     def __len__(self): return len(self.pairs)
@@ -120,7 +125,8 @@ class DPOConfig(TrainConfig):
                     n_train="synthetic pairs are counted by --n-pairs", packing="DPO scores whole sequences",
                     chunked_ce="DPO scores whole sequences", activation_offloading="not supported by DPO's step yet",
                     optimizer_in_backward="not supported by DPO's step yet", profile_memory="not supported by DPO's step yet",
-                    nproc="DPO runs in one process")
+                    nproc="DPO runs in one process",
+                    train_on="DPO scores whole chosen and rejected answers", chat_template="not wired into DPO yet")
 
     def problems(self) -> list[str]:
         bad = super().problems()
@@ -146,9 +152,9 @@ def load_pairs(cfg: DPOConfig, tokenizer):
     rows = load_records(cfg.data)
     n_eval = min(cfg.n_eval_pairs, max(1, int(len(rows) * cfg.eval_fraction)))
     split = rows.train_test_split(test_size=n_eval, seed=cfg.seed, shuffle=True)
-    held = split["test"]
-    evals = [dict(messages=_prompt_messages(r[cfg.prompt_field], cfg.system_prompt), answer=r[cfg.chosen_field]) for r in held]
-    return (PreferenceDataset(split["train"], tokenizer, **kw), PreferenceDataset(held, tokenizer, **kw),
+    train, held = PreferenceDataset(split["train"], tokenizer, **kw), PreferenceDataset(split["test"], tokenizer, **kw)
+    evals = [dict(messages=m, answer=c, where=w) for m, c, _, w in held.examples]   # rendered as the pairs were
+    return (train, held,
             evals[:cfg.eval_samples], lambda completion, answer: completion.strip() == str(answer).strip())
 
 class DPOTrainer(Trainer):

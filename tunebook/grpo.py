@@ -78,7 +78,9 @@ def tree_mask(segments: torch.Tensor) -> torch.Tensor:
 def group_logprobs(model, b: dict) -> torch.Tensor:
     "(P*G, Tc) log-prob of each completion token (0 past its end) from one shared-prefix forward of `pack_groups` tensors."
     h = model(b["tokens"], positions=b["positions"], mask=tree_mask(b["segments"]), return_hidden=True)  # (P, T, dim)
-    return token_logprobs(model.lm_head(h.flatten(0, 1)[b["index"]]), b["labels"])
+    logits = model.lm_head(h.flatten(0, 1)[b["index"]])
+    if cap := getattr(model, "final_softcap", None): logits = torch.tanh(logits / cap) * cap   # as the model's forward does
+    return token_logprobs(logits, b["labels"])
 
 # %% ../nbs/12b_grpo.ipynb #8179687b
 @torch.no_grad()
@@ -162,7 +164,8 @@ class GRPOConfig(TrainConfig):
 
     _kind = "GRPO"
     _ignores = dict(**{k: "GRPO samples the prompts of --task (or those given to GRPOTrainer)" for k in
-                       ("data", "format", "prompt_field", "response_field", "messages_field", "eval_fraction")},
+                       ("data", "format", "prompt_field", "response_field", "messages_field", "eval_fraction", "train_on")},
+                    chat_template="GRPO renders prompts with the tokenizer's template when it has one",
                     batch_size="a step learns from --prompts-per-step x --group-size samples",
                     grad_accum_steps="one optimizer step per rollout", max_seq_len="a sequence is the prompt plus --max-new-tokens",
                     packing="rollouts are already packed by shared prompt", eval_every="GRPO evaluates before and after only",
@@ -459,6 +462,8 @@ def _grpo_fit_owned(self: GRPOTrainer, progress: bool = True) -> dict:
                         max_staleness=c.max_staleness, trainable_params=self.n_trainable, total_params=count_params(self.model),
                         method=c.method, interrupted=interrupted, stopped_early=self.step < c.max_steps, status="ok")
     self.write_outputs(last)
+    for cb in self.callbacks:   # the trackers close here, as after Trainer.fit
+        if hasattr(cb, "on_end"): cb.on_end(self, self.summary)
     return self.summary
 
 GRPOTrainer.fit, GRPOTrainer._grpo_fit_owned = _grpo_fit, _grpo_fit_owned

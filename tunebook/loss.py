@@ -102,7 +102,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 dz = dz.to(cdt)
                 if need_h: gh[start:start + n] = dz @ w          # (n, D), 2-D
                 if need_w and dz.dtype == acc: grad_w.addmm_(dz.t(), h)
-                elif need_w: grad_w += (dz.t() @ h).to(acc)      # bf16 matmul, fp32 sum
+                elif need_w: grad_w.add_(dz.t() @ h)             # bf16 matmul, summed in fp32 (no cast copy)
                 del dz
                 start += n
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None

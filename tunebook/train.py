@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import json
 import math
 import os
@@ -27,7 +28,9 @@ from tqdm.auto import tqdm
 
 from .checkpoint import load_hf, publish_dir, save_hf, _atomic_dir
 from .core import count_params, get_device, get_dtype, human_bytes, seed_everything
-from .data import IGNORE_INDEX, SFTDataset, collate_fn, eval_examples, get_task, load_records, make_task, pack
+from .data import IGNORE_INDEX, SFTDataset, collate_fn, eval_examples, get_task, load_records, make_task, pack, sft_split
+from .records import FORMATS
+from .loggers import LOGGERS, make_loggers
 from .data import encode_prompt as data_encode_prompt
 from .generate import generate
 from .loss import ChunkedCrossEntropy
@@ -37,7 +40,7 @@ from .rundir import NonFiniteError, RunLock, SaveFailed, check_output_dir, clean
 from .tokenizer import load_tokenizer
 
 # %% auto #0
-__all__ = ['TrainConfig', 'load_model_and_tokenizer', 'check_vocab', 'load_data', 'encode_prompt', 'stop_ids',
+__all__ = ['TrainConfig', 'resolve_name', 'load_model_and_tokenizer', 'check_vocab', 'load_data', 'encode_prompt', 'stop_ids',
            'evaluate_accuracy', 'Trainer']
 
 # %% ../nbs/11_train.ipynb #47716b07
@@ -47,20 +50,23 @@ class TrainConfig:
     # what to train
     model: str = "embedded"              # "embedded", a builder name (random weights), or a Hugging Face folder
     tokenizer: str | None = None         # tokenizer folder; default: the model folder
-    data: str | None = None              # a local .json/.jsonl/.csv/.parquet file; None: a synthetic task
+    revision: str | None = None          # hub names (ORG/NAME): the branch, tag or commit; None: main
+    data: str | None = None              # a local .json/.jsonl/.csv/.parquet/.arrow file or a datasets save_to_disk folder; None: a synthetic task
     task: str | None = None              # synthetic task (default: the embedded model's fine-tune task)
     n_train: int = 5000                  # synthetic task: training examples
-    format: str = "auto"                 # "instruct", "chat" or "auto"
+    format: str = "auto"                 # auto, instruct, alpaca, chat, sharegpt or text
     prompt_field: str = "prompt"
     response_field: str = "response"
     messages_field: str = "messages"
     system_prompt: str | None = None
+    train_on: str = "all"                # multi-turn chat: learn "all" assistant turns or only the "last"
+    chat_template: bool = True           # render with the tokenizer's chat template when it has one; --no-chat-template: the plain layout
     eval_fraction: float = 0.05          # data file: share of rows held out for eval (at most eval_samples)
     # method
     method: str = "lora"                 # "full", "lora", "dora" or "qlora"
     lora_rank: int = 16
     lora_alpha: float = 32.0
-    lora_targets: tuple = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    lora_targets: tuple = ("all-linear",)  # module names, or all-linear: every linear in the blocks (Llama: q,k,v,o,gate,up,down; Phi-3: qkv_proj, gate_up_proj...)
     lora_dropout: float = 0.0
     # optimisation
     max_steps: int = 500
@@ -91,12 +97,14 @@ class TrainConfig:
     log_every: int = 10
     save_every: int = 0                  # 0: only at the end
     output_dir: str = "runs/finetune"
+    loggers: str = "csv"                 # experiment trackers, comma-separated: csv (metrics.csv, always written), tensorboard, mlflow, wandb
     resume: bool = False                 # continue from the newest checkpoint in output_dir
 
     def __post_init__(self):
         self.lora_targets = tuple(self.lora_targets.split(",")) if isinstance(self.lora_targets, str) else tuple(self.lora_targets)
 
     _kind = "training"  # names the options in the error
+    _formats = tuple(f for f in FORMATS if f != "preference")   # what --format accepts (DPO reads preference pairs)
 
     def validate(self) -> "TrainConfig":
         "Refuse impossible options before any work is done: every problem in one error."
@@ -108,6 +116,11 @@ class TrainConfig:
         "What is wrong with these options, each with its fix (subclasses add theirs to the list)."
         bad, o = [], self.opt
         if self.method not in ("full", "lora", "dora", "qlora"): bad.append(f"{o('method')}: use full, lora, dora or qlora")
+        if self.format not in ("auto", *self._formats): bad.append(f"{o('format')}: use auto, {', '.join(self._formats)}")
+        names = [n.strip() for n in str(self.loggers).split(",") if n.strip()]
+        if unknown := [n for n in names if n != "csv" and n not in LOGGERS]:
+            bad.append(f"loggers={self.loggers!r} (--logger): unknown {', '.join(unknown)}; use csv, {', '.join(LOGGERS)} (comma-separated)")
+        if self.train_on not in ("all", "last"): bad.append(f"{o('train_on')}: use all (every assistant turn) or last")
         for k in ("max_steps", "batch_size", "grad_accum_steps", "max_seq_len", "log_every", "max_new_tokens"):
             if getattr(self, k) < 1: bad.append(f"{o(k)} must be >= 1")
         if self.data is None and self.n_train < 1: bad.append(f"{o('n_train')} must be >= 1: the synthetic task needs training rows")
@@ -173,9 +186,22 @@ class TrainConfig:
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in self._ignores}
 
 # %% ../nbs/11_train.ipynb #9242a9ab
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+def resolve_name(name, revision: str | None = None, kind: str = "model"):
+    "`name` as a local folder: 'embedded', a builder name or an existing path as given; ORG/NAME through `tunebook.hub.resolve_model`."
+    s = str(name)
+    if name is None or s == "embedded" or (s.lower().replace("_", "-") in BUILDERS and not Path(s).exists()): return name
+    exists = Path(s).expanduser().exists()
+    if (exists and not revision) or (not exists and not _HUB_NAME.match(s)): return name   # a missing path: the caller names the flag
+    from tunebook.hub import resolve_model
+    return str(resolve_model(s, revision=revision, kind=kind))
+
 def load_model_and_tokenizer(cfg: TrainConfig):
-    "The model and tokenizer a config names, on its device and dtype."
+    "The model and tokenizer a config names (folders or hub names at `cfg.revision`), on its device and dtype."
     dtype, device = get_dtype(cfg.dtype), get_device(cfg.device)
+    tok_rev = cfg.revision if cfg.tokenizer and not Path(str(cfg.tokenizer)).exists() else None
+    cfg = dataclasses.replace(cfg, model=resolve_name(cfg.model, cfg.revision), tokenizer=resolve_name(cfg.tokenizer, tok_rev, "tokenizer"))
     if cfg.model == "embedded":
         from tunebook.embedded import EMBEDDED_DIR
         path = EMBEDDED_DIR
@@ -210,30 +236,27 @@ def check_vocab(model, tokenizer, where="the tokenizer"):
              "together (use the tokenizer from the model's folder).")
 
 def load_data(cfg: TrainConfig, tokenizer, **sft_options):
-    "(train SFTDataset, eval rows as dicts with messages + answer, checker(completion, answer) -> bool); eval rows never train."
+    "(train SFTDataset, eval rows as dicts with messages + answer + where, checker(completion, answer) -> bool); eval rows never train."
     kw = dict(max_seq_len=cfg.max_seq_len, format=cfg.format, prompt_column=cfg.prompt_field,
               response_column=cfg.response_field, messages_column=cfg.messages_field, system_prompt=cfg.system_prompt,
-              **sft_options)
+              train_on=cfg.train_on, use_chat_template=None if cfg.chat_template else False, **sft_options)
     if cfg.data is None:
         if cfg.task is None:
             from tunebook.embedded import FINETUNE_TASK
         task = get_task(cfg.task or FINETUNE_TASK)
         train = make_task(task.name, cfg.n_train, seed=cfg.seed, split="train")
         held = make_task(task.name, cfg.eval_samples, seed=cfg.seed, split="eval")
-        evals = [dict(messages=_prompt_messages(r[cfg.prompt_field], cfg.system_prompt), answer=r["answer"]) for r in held]
+        evals = [dict(messages=_prompt_messages(r[cfg.prompt_field], cfg.system_prompt), answer=r["answer"],
+                      where=f"{task.name} eval row {i}") for i, r in enumerate(held)]
         return SFTDataset(train, tokenizer, **kw), evals, task.check
     rows = load_records(cfg.data)
     n_eval = min(cfg.eval_samples, int(len(rows) * cfg.eval_fraction))
-    split = rows.train_test_split(test_size=n_eval, seed=cfg.seed, shuffle=True) if n_eval else {"train": rows, "test": []}
-    try: train = SFTDataset(split["train"], tokenizer, **kw)
-    except ValueError as e: raise ValueError(_flag_names(str(e))) from None
     # the held-out rows as the data layer renders them (system prompt, chat turns; rows with no answer are skipped)
-    evals = [] if not n_eval or train.format == "text" else \
-        eval_examples(split["test"], train.format, prompt_column=cfg.prompt_field, response_column=cfg.response_field,
-                      messages_column=cfg.messages_field, system_prompt=cfg.system_prompt)
+    try: train, evals = sft_split(rows, tokenizer, n_eval=n_eval, seed=cfg.seed, **kw)
+    except ValueError as e: raise ValueError(_flag_names(str(e))) from None
     return train, evals, lambda completion, answer: completion.strip() == str(answer).strip()
 
-_DATA_SPELLING = {"prompt_column=": "--prompt-field ", "response_column=": "--response-field ", "messages_column=": "--messages-field ",
+_DATA_SPELLING = {"n_eval=": "--eval-samples ", "use_chat_template=False": "--no-chat-template", "prompt_column=": "--prompt-field ", "response_column=": "--response-field ", "messages_column=": "--messages-field ",
                   "max_seq_len=": "--max-seq-len "}
 
 def _flag_names(msg: str) -> str:
@@ -245,9 +268,9 @@ def _prompt_messages(prompt, system=None):
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": str(prompt)}]
 
 # %% ../nbs/11_train.ipynb #9f7afa24
-def encode_prompt(tokenizer, messages) -> list[int]:
+def encode_prompt(tokenizer, messages, use_chat_template: bool | None = None) -> list[int]:
     "Token ids of `messages` followed by the start of the assistant's turn, rendered exactly as training rendered them."
-    return data_encode_prompt(tokenizer, messages)
+    return data_encode_prompt(tokenizer, messages, use_chat_template)
 
 def stop_ids(tokenizer) -> list[int]:
     "Tokens that end an assistant turn: eos, and the chat template's end-of-turn token when there is one."
@@ -257,12 +280,13 @@ def stop_ids(tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 @torch.no_grad()
-def evaluate_accuracy(model, tokenizer, evals: list[dict], check, max_new_tokens: int = 16, batch_size: int = 32):
+def evaluate_accuracy(model, tokenizer, evals: list[dict], check, max_new_tokens: int = 16, batch_size: int = 32,
+                      use_chat_template: bool | None = None):   # as the training data used it (`SFTDataset.use_chat_template`)
     "(exact-match accuracy, list of (prompt, completion, answer, ok)) by greedy generation."
     stops, results = stop_ids(tokenizer), []
     for i in range(0, len(evals), batch_size):
         chunk = evals[i:i + batch_size]
-        outs = generate(model, [encode_prompt(tokenizer, e["messages"]) for e in chunk], max_new_tokens,
+        outs = generate(model, [encode_prompt(tokenizer, e["messages"], use_chat_template) for e in chunk], max_new_tokens,
                         eos_id=stops, pad_id=tokenizer.pad_id or 0)
         for e, out in zip(chunk, outs):
             text = tokenizer.decode([t for t in out if t not in stops], skip_special_tokens=True)
@@ -277,6 +301,8 @@ class Trainer:
         self.config = (config or TrainConfig()).validate()
         self.model, self.tokenizer, self.train_data, self.eval_data, self.check = model, tokenizer, train_data, eval_data, check
         self.callbacks, self.step, self.metrics, self.is_setup, self.should_stop = list(callbacks), 0, [], False, False
+        try: self.callbacks += make_loggers(self.config.loggers)   # trackers hear the same on_step / on_eval / on_end
+        except ImportError as e: raise ValueError(f"--logger {self.config.loggers}: {e}") from None
         self.out = Path(self.config.output_dir)
         self.summary: dict = {}
         self.baseline: dict = {}   # the "before" measurements: kept in checkpoints, so a resumed run reports the true ones
@@ -334,8 +360,9 @@ class Trainer:
             for p in self.model.parameters(): p.requires_grad_(True)
             return
         from tunebook.lora import apply_lora
-        widths = [min(m.in_features, m.out_features) for n, m in self.model.named_modules()
-                  if n.rsplit(".", 1)[-1] in c.lora_targets and hasattr(m, "in_features")]
+        every = "all-linear" in c.lora_targets   # as apply_lora reads it: every linear layer but lm_head
+        widths = [min(m.in_features, m.out_features) for n, m in self.model.named_modules() if hasattr(m, "in_features")
+                  and (n.rsplit(".", 1)[-1] != "lm_head" if every else n.rsplit(".", 1)[-1] in c.lora_targets)]
         if widths and c.lora_rank > min(widths):
             raise ValueError(f"{c.opt('lora_rank')} is larger than the narrowest adapted layer ({min(widths)} features): "
                              f"a rank above min(in, out) adds parameters but no capacity; use --lora-rank {min(widths)} or less.")
@@ -344,7 +371,9 @@ class Trainer:
 
     def _apply_memory_techniques(self):
         c = self.config
-        self.loss_fn = ChunkedCrossEntropy(c.chunked_ce, reduction="sum") if c.chunked_ce else None
+        # a final logit soft-cap (Gemma) is applied by the chunked loss as the model's own forward applies it
+        self.loss_fn = ChunkedCrossEntropy(c.chunked_ce, reduction="sum", softcap=getattr(self.model, "final_softcap", None) or None) \
+            if c.chunked_ce else None
         if c.activation_checkpointing:
             from tunebook.memory import apply_activation_checkpointing
             apply_activation_checkpointing(self.model)
@@ -468,7 +497,8 @@ def _evaluate(self: Trainer, n: int | None = None) -> float:
     if not self.is_setup: self.setup()
     evals = self.eval_data[:n] if n else self.eval_data
     if not evals: return float("nan")
-    acc, self.last_eval = evaluate_accuracy(self.model, self.tokenizer, evals, self.check, self.config.max_new_tokens)
+    acc, self.last_eval = evaluate_accuracy(self.model, self.tokenizer, evals, self.check, self.config.max_new_tokens,
+                                           use_chat_template=getattr(self.train_data, "use_chat_template", None))
     self.write_samples(self.last_eval[:3])
     for cb in self.callbacks:
         if hasattr(cb, "on_eval"): cb.on_eval(self, acc)
@@ -662,6 +692,8 @@ def _claim_output(self: Trainer):
         for p in old: shutil.rmtree(p, ignore_errors=True)
     if not self.config.resume and self.step == 0: (self.out / "log.txt").unlink(missing_ok=True)
     (self.out / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
+    if report := getattr(self.train_data, "format_report", None):   # how the data was read: the format and where it came from
+        with open(self.out / "log.txt", "a") as f: f.write(f"data {report}\n")
 
 def _fit(self: Trainer, progress: bool = True) -> dict:
     "Train to `max_steps` with eval before and after; write the run folder; return the summary."
