@@ -141,3 +141,19 @@ def gemma3_dir() -> Path:
 if __name__ == "__main__":   # python tests/realckpt.py [smollm2|gemma3]: build and print the folders
     for which in sys.argv[1:] or ["smollm2", "gemma3"]:
         print({"smollm2": smollm2_dir, "gemma3": gemma3_dir}[which]())
+
+
+def transformers_pair(folder):
+    "transformers' fp32 model (eval mode) and tokenizer for a built folder: the reference side of the real tier."
+    import torch
+    import transformers
+    return (transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(),
+            transformers.AutoTokenizer.from_pretrained(folder))
+
+
+def tunebook_pair(folder):
+    "tunebook's fp32 model (eval mode) and tokenizer for the same folder."
+    import torch
+    from tunebook.checkpoint import load_hf
+    from tunebook.tokenizer import load_tokenizer
+    return load_hf(folder, dtype=torch.float32).eval(), load_tokenizer(folder)

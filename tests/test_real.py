@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from realckpt import smollm2_dir  # noqa: E402
+from realckpt import smollm2_dir, transformers_pair, tunebook_pair  # noqa: E402
 
 pytestmark = pytest.mark.real
 
@@ -29,16 +29,12 @@ def smol():
 
 @pytest.fixture(scope="module")
 def hf(smol):
-    import transformers
-    return (transformers.AutoModelForCausalLM.from_pretrained(smol, dtype=torch.float32).eval(),
-            transformers.AutoTokenizer.from_pretrained(smol))
+    return transformers_pair(smol)
 
 
 @pytest.fixture(scope="module")
 def ours(smol):
-    from tunebook.checkpoint import load_hf
-    from tunebook.tokenizer import load_tokenizer
-    return load_hf(smol, dtype=torch.float32).eval(), load_tokenizer(smol)
+    return tunebook_pair(smol)
 
 
 def _ids(x):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from realckpt import gemma3_dir  # noqa: E402
+from realckpt import gemma3_dir, transformers_pair, tunebook_pair  # noqa: E402
 
 pytestmark = pytest.mark.real
 TOL = 1e-4   # max abs difference of fp32 logits (observed: 0.0 on short prompts)
@@ -23,16 +23,12 @@ def folder():
 
 @pytest.fixture(scope="module")
 def hf(folder):
-    import transformers
-    return (transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(),
-            transformers.AutoTokenizer.from_pretrained(folder))
+    return transformers_pair(folder)
 
 
 @pytest.fixture(scope="module")
 def ours(folder):
-    from tunebook.checkpoint import load_hf
-    from tunebook.tokenizer import load_tokenizer
-    return load_hf(folder), load_tokenizer(folder)
+    return tunebook_pair(folder)
 
 
 def _long_ids(tok, n=600):
