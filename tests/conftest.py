@@ -1,6 +1,7 @@
 """Shared fixtures: small random-weight Hugging Face models written by transformers to a temp folder."""
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,3 +51,31 @@ def make_hf(tmp_path):
         m.save_pretrained(d)
         return m, d
     return make
+
+
+# ---------------------------------------------------------------- RL fixtures (test_rl.py, test_grpo.py)
+def _embedded():
+    from tunebook.embedded import EMBEDDED_DIR, FINETUNE_TASK
+    return (str(EMBEDDED_DIR), FINETUNE_TASK)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """(model folder, task): a random-weight pico model and a small tokenizer: for mechanics, not learning."""
+    from tunebook.checkpoint import save_hf
+    from tunebook.data import make_task
+    from tunebook.model import build_model, pico
+    from tunebook.tokenizer import train_tokenizer
+    tok = train_tokenizer([f"{r['prompt']} {r['answer']}" for r in make_task("add", 1000)], vocab_size=300)
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("tiny")
+    save_hf(build_model(pico(vocab_size=len(tok))), out); tok.save(out)
+    return str(out), "add"
+
+
+@pytest.fixture(scope="session")
+def policy(tiny):
+    """(model folder, task) of a model that already half-solves its task: the embedded default. Learning tests need it."""
+    found = _embedded()   # shipped with the package: a missing model is a failure, never a skip
+    assert (Path(found[0]) / "config.json").exists(), f"the embedded model is missing from {found[0]}"
+    return found
