@@ -134,19 +134,68 @@ def test_pack_layout(plain_tok):
         pack(ds, max_seq_len=5)
 
 
-def test_truncation_stats_and_errors(plain_tok):
+def _chatml(messages):
+    "ChatML written out by hand (the reference for the template path)."
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+
+
+def test_too_long_rows_are_dropped_never_cut(plain_tok):
     rows = [{"prompt": "1+2+3+4+5+6+7+8+9+10=", "response": "55"}, {"prompt": "1+1=", "response": "2"},
             {"prompt": "2+2=", "response": "4444444444444"}]
-    with pytest.warns(UserWarning, match="max_seq_len=8"):
-        ds = SFTDataset(rows, plain_tok, max_seq_len=8)
+    # by hand: BOS prompt response EOS
+    n = [len(plain_tok.encode(r["prompt"]) + plain_tok.encode(r["response"], add_bos=False)) + 1 for r in rows]
+    limit = sorted(n)[1]                                      # the middle length: one row is too long
+    with pytest.warns(UserWarning, match=rf"1 of 3 examples are longer and are dropped whole.*max_seq_len={max(n)} keeps them"):
+        ds = SFTDataset(rows, plain_tok, max_seq_len=limit)
     s = ds.stats
-    assert (s.examples, s.truncated, s.dropped, len(ds)) == (3, 2, 1, 2)
-    assert s.tokens == sum(len(x["tokens"]) for x in ds.examples) and all(len(x["tokens"]) <= 8 for x in ds.examples)
+    assert (s.examples, s.too_long, s.dropped, len(ds), s.longest) == (3, 1, 0, 2, max(n))
+    assert all(x["tokens"][-1] == plain_tok.eos_id for x in ds.examples)          # every kept row ends with its EOS
+    kept = [r for r, k in zip(rows, n) if k <= limit]
+    assert [plain_tok.decode(x["tokens"][1:]) for x in ds.examples] == [r["prompt"] + r["response"] + "<|end_of_text|>" for r in kept]
+    assert s.tokens == sum(len(x["tokens"]) for x in ds.examples) == sum(k for k in n if k <= limit)
     assert s.trained_tokens == sum(l != IGNORE_INDEX for x in ds.examples for l in x["labels"])
-    with pytest.raises(ValueError, match=r"max_seq_len=8.*Raise max_seq_len"):
-        SFTDataset(rows[:1], plain_tok, max_seq_len=8)
-    with pytest.raises(ValueError, match="nothing|no message|to learn"):
+    with pytest.raises(ValueError, match=rf"1 of 3 examples .* longer than max_seq_len={limit} .*Set max_seq_len={max(n)}"):
+        SFTDataset(rows, plain_tok, max_seq_len=limit, too_long="error")
+    with pytest.raises(ValueError, match=rf"every example .* longer than max_seq_len={min(n) - 1} .*set max_seq_len={max(n)}"):
+        SFTDataset(rows, plain_tok, max_seq_len=min(n) - 1)
+    with pytest.raises(ValueError, match="no assistant turn|to learn"):
         SFTDataset([{"messages": [{"role": "user", "content": "hi"}]}], plain_tok, use_chat_template=False)
+    with pytest.raises(ValueError, match="too_long='maybe'"):
+        SFTDataset(rows, plain_tok, too_long="maybe")
+
+
+def test_max_seq_len_from_the_data(tok):
+    "None: the longest example as the template renders it (system prompt included), capped by the model's context."
+    rows = [{"prompt": p, "response": r} for p, r in [("12+7=", "19"), ("reverse abcdefgh=", "hgfedcba"), ("1+1=", "2")]]
+    sysmsg = "Answer with the number only."
+    ref = [len(tok.encode(_chatml([{"role": "system", "content": sysmsg}, {"role": "user", "content": r["prompt"]},
+                                    {"role": "assistant", "content": r["response"]}]), add_bos=False)) for r in rows]
+    ds = SFTDataset(rows, tok, system_prompt=sysmsg)
+    assert ds.lengths == ref and ds.max_seq_len == max(ref) and len(ds) == 3 and ds.stats.too_long == 0
+    assert ds.length_report == f"max_seq_len={max(ref)} (the longest example): every one of the 3 examples fits"
+    ctx = sorted(ref)[1]
+    with pytest.warns(UserWarning, match=rf"max_seq_len={ctx} \(the model's context \(the longest example has {max(ref)} tokens\)\)"):
+        capped = SFTDataset(rows, tok, system_prompt=sysmsg, context=ctx)
+    assert capped.max_seq_len == ctx and len(capped) == 2 and capped.stats.too_long == 1
+    with pytest.raises(ValueError, match=rf"beyond the model's context of {ctx} positions: set max_seq_len={ctx} or less"):
+        SFTDataset(rows, tok, system_prompt=sysmsg, max_seq_len=ctx + 1, context=ctx)
+    text = SFTDataset([{"text": "1+1=2 " * 40}, {"text": "2+2=4"}], tok, context=16)   # plain text: windows, nothing dropped
+    assert text.max_seq_len == 16 and "split into windows" in text.length_report
+    assert sum(len(x["tokens"]) for x in text.examples) == sum(text.lengths)
+
+
+def test_max_new_tokens_from_the_held_out_answers(tok, plain_tok):
+    from tunebook.data import fit_max_new_tokens, sft_split
+    rows = [{"prompt": f"reverse {w}=", "response": w[::-1]} for w in ["ab", "abcdefghij", "abc", "abcdef", "a", "ba"]]
+    for t in (tok, plain_tok):                                # ChatML ends the turn with <|im_end|>, the plain layout with EOS
+        train, evals = sft_split(rows, t, eval_samples=3, seed=0, use_chat_template=t is tok)
+        ref = max(len(t.encode(e["answer"], add_bos=False)) + 1 for e in evals)     # by hand: answer tokens + end of turn
+        n, report = fit_max_new_tokens(t, evals, train.use_chat_template)
+        assert n == ref and report.startswith(f"max_new_tokens={ref}: the longest held-out answer (row ")
+        short, report = fit_max_new_tokens(t, evals, train.use_chat_template, max_new_tokens=ref - 1)
+        assert short == ref - 1 and f"set max_new_tokens={ref}" in report
+    assert tok.stop_ids == sorted({tok.token_to_id("<|end_of_text|>"), tok.token_to_id("<|im_end|>")})
+    assert fit_max_new_tokens(tok, []) == (None, "max_new_tokens: no held-out answers, nothing is generated")
 
 
 def test_bad_inputs(tmp_path, tok):
@@ -167,11 +216,13 @@ def test_bad_inputs(tmp_path, tok):
     with pytest.raises(ValueError) as e:
         SFTDataset(rows, tok)
     msg = str(e.value)
-    assert "'prompt'" in msg and "prompt_column=" in msg and "['question', 'answer']" in msg
-    with pytest.raises(ValueError, match="response_column="):
-        SFTDataset(rows, tok, prompt_column="question")
-    assert len(SFTDataset(rows, tok, prompt_column="question", response_column="answer")) == 1
-    with pytest.raises(ValueError, match="messages_column="):
+    assert "'prompt'" in msg and "prompt_field=" in msg and "['question', 'answer']" in msg
+    with pytest.raises(ValueError, match="response_field="):
+        SFTDataset(rows, tok, prompt_field="question")
+    assert len(SFTDataset(rows, tok, prompt_field="question", response_field="answer")) == 1
+    with pytest.warns(FutureWarning, match="prompt_column= is now prompt_field="):   # the old spelling, for one release
+        assert len(SFTDataset(rows, tok, prompt_column="question", response_field="answer")) == 1
+    with pytest.raises(ValueError, match="messages_field="):
         SFTDataset(rows, tok, format="chat")
     with pytest.raises(ValueError, match="row 1"):
         SFTDataset([{"prompt": "a", "response": "b"}, {"prompt": "c", "response": None}], tok)
@@ -423,7 +474,7 @@ def test_empty_responses_and_eval_rows(tok):
     rows = [{"messages": [{"role": "user", "content": f"q{i}"}] + ([{"role": "assistant", "content": f"a{i}"}] if i % 2 else [])}
             for i in range(16)]
     with pytest.warns(UserWarning, match="have no assistant turn"):
-        train, evals = sft_split(rows, tok, n_eval=8, seed=1, system_prompt="S")
+        train, evals = sft_split(rows, tok, eval_samples=8, seed=1, system_prompt="S")
     assert all(e["answer"] == "a" + e["messages"][-1]["content"][1:] for e in evals) and evals
     assert all(e["messages"][0] == {"role": "system", "content": "S"} for e in evals)
     with pytest.raises(ValueError, match="DPO"):

@@ -7,23 +7,19 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from functools import partial
 
 import datasets
-import torch
-from torch.utils.data import DataLoader, Dataset as TorchDataset
+from torch.utils.data import Dataset as TorchDataset
 
-from .records import (FORMATS, Records, detect_format, load_records, preference_example, row_messages,
+from .batches import IGNORE_INDEX, PackedDataset, collate_fn, make_loader, pack  # re-exported
+from .records import (FORMATS, Records, detect_format, load_records, preference_example, renamed_args, row_messages,
                               split_for_eval, text_value, with_system)
 from .tasks import (TASKS, Task, check_answer, get_task, list_tasks, make_mixture, make_preference_pairs,  # re-exported
                             make_task)
 
 # %% auto #0
-__all__ = ['IGNORE_INDEX', 'encode_conversation', 'encode_prompt', 'shift_labels', 'DataStats', 'conversation_format',
-           'SFTDataset', 'eval_examples', 'sft_split', 'collate_fn', 'PackedDataset', 'pack', 'make_loader']
-
-# %% ../nbs/05_data.ipynb #057ae161
-IGNORE_INDEX = -100  # label of positions that do not count towards the loss
+__all__ = ['encode_conversation', 'encode_prompt', 'shift_labels', 'DataStats', 'fit_max_seq_len', 'conversation_format',
+           'SFTDataset', 'eval_examples', 'sft_split', 'answer_tokens', 'fit_max_new_tokens']
 
 # %% ../nbs/05_data.ipynb #09c8c518
 def _plain_pieces(messages: list[dict]) -> list[tuple[str, bool]]:
@@ -89,58 +85,84 @@ def shift_labels(ids: list[int], mask: list[int], ignore_index: int = IGNORE_IND
 class DataStats:
     "What tokenizing a dataset did."
     examples: int = 0        # rows read
-    truncated: int = 0       # rows cut to max_seq_len
+    too_long: int = 0        # rows longer than max_seq_len, dropped whole (never cut)
     dropped: int = 0         # rows with nothing left to learn (no trained token), not kept
     tokens: int = 0          # tokens in the kept rows
     trained_tokens: int = 0  # positions of the kept rows with a label (not -100)
-    longest: int = 0         # longest row before truncation, in tokens
+    longest: int = 0         # longest row, in tokens
     empty_responses: int = 0 # rows whose (last) assistant text is ""
 
     def __str__(self):
-        return (f"{self.examples:,} examples: {self.truncated:,} truncated, {self.dropped:,} dropped; "
+        return (f"{self.examples:,} examples: {self.too_long:,} too long, {self.dropped:,} without a target; "
                 f"{self.tokens:,} tokens ({self.trained_tokens:,} trained), longest {self.longest:,}")
+
+# %% ../nbs/05_data.ipynb #abf6fca0
+def fit_max_seq_len(lengths: list[int],            # tokens of each example, as the dataset renders it (chat template included)
+                    context: int | None = None,    # the model's context (max_position_embeddings): the cap
+                    max_seq_len: int | None = None,# the user's setting; None: from the data
+                    windows: bool = False,         # plain text: longer documents are split into windows, not dropped
+                   ) -> tuple[int, str]:
+    "(max_seq_len, report): the user's value, else the longest example capped by `context`; the report says what is dropped."
+    longest = max(lengths)
+    if max_seq_len is not None:
+        if max_seq_len < 2: raise ValueError(f"max_seq_len={max_seq_len} is too small: a row needs at least 2 tokens.")
+        if context and max_seq_len > context:
+            raise ValueError(f"max_seq_len={max_seq_len} is beyond the model's context of {context} positions: set "
+                             f"max_seq_len={min(longest, context)} or less (or leave it unset to fit the data).")
+        n, how = max_seq_len, "as set"
+    elif context and longest > context: n, how = context, f"the model's context (the longest example has {longest} tokens)"
+    else: n, how = max(longest, 2), "the longest example"
+    over = sum(l > n for l in lengths)
+    if not over: return n, f"max_seq_len={n} ({how}): every one of the {len(lengths):,} examples fits"
+    fate = "are split into windows of that length" if windows else \
+        f"are dropped whole, so no target loses its end-of-turn token (max_seq_len={longest} keeps them)"
+    return n, f"max_seq_len={n} ({how}): {over:,} of {len(lengths):,} examples are longer and {fate}"
 
 # %% ../nbs/05_data.ipynb #d3bbade5
 _CHAT_FORMATS = ("chat", "sharegpt")
 
-def _check_columns(rows: Records, fmt: str, prompt_column: str, response_column: str, messages_column: str):
+def _check_columns(rows: Records, fmt: str, prompt_field: str, response_field: str, messages_field: str):
     "A clear error for each column that `fmt` needs and the data lacks."
-    need = {"instruct": {"prompt_column": prompt_column, "response_column": response_column},
-            "alpaca": {"format": "instruction", "format=": "output"}, "chat": {"messages_column": messages_column},
+    need = {"instruct": {"prompt_field": prompt_field, "response_field": response_field},
+            "alpaca": {"format": "instruction", "format=": "output"}, "chat": {"messages_field": messages_field},
             "sharegpt": {"format": "conversations"}, "text": {"format": "text"}}[fmt]
     for option, col in need.items():
         if col not in rows.column_names:
             raise ValueError(f"{rows.name} has no field {col!r}, which format {fmt!r} needs; the columns are {rows.column_names}. "
                              f"Set {option.rstrip('=')}= to match the data.")
 
-def conversation_format(rows: Records, format: str = "auto", prompt_column: str = "prompt", response_column: str = "response",
-                        messages_column: str = "messages") -> str:
+@renamed_args
+def conversation_format(rows: Records, format: str = "auto", prompt_field: str = "prompt", response_field: str = "response",
+                        messages_field: str = "messages") -> str:
     "The conversational format of `rows` (detected when `format='auto'`), with a clear error for preference or unknown data."
-    fmt = detect_format(rows.column_names, prompt_column, response_column, messages_column) if format == "auto" else format
+    fmt = detect_format(rows.column_names, prompt_field, response_field, messages_field) if format == "auto" else format
     if fmt == "preference":
         raise ValueError(f"{rows.name} holds preference pairs (chosen/rejected): train it with DPO (`tunebook dpo`), not SFT.")
     if fmt not in FORMATS: raise ValueError(f"format={fmt!r}: use 'auto' or one of {', '.join(k for k in FORMATS if k != 'preference')}.")
-    _check_columns(rows, fmt, prompt_column, response_column, messages_column)
+    _check_columns(rows, fmt, prompt_field, response_field, messages_field)
     return fmt
 
 class SFTDataset(TorchDataset):
     "Tokenized instruct, chat or text examples; item `i` is `dict(tokens=[...], labels=[...])`, labels already shifted."
+    @renamed_args
     def __init__(self, source,                        # anything `load_records` takes
                  tokenizer,                           # a `tunebook.tokenizer.Tokenizer`
-                 max_seq_len: int | None = 2048,      # cut longer rows to this many tokens; None: the longest row
+                 max_seq_len: int | None = None,      # None: the longest row (capped by `context`); longer rows are dropped
                  format: str = "auto",                # auto, instruct, alpaca, chat, sharegpt or text
-                 prompt_column: str = "prompt",       # instruct: the user's text
-                 response_column: str = "response",   # instruct: the text to learn
-                 messages_column: str = "messages",   # chat: a list of {"role", "content"}
+                 prompt_field: str = "prompt",       # instruct: the user's text
+                 response_field: str = "response",   # instruct: the text to learn
+                 messages_field: str = "messages",   # chat: a list of {"role", "content"}
                  system_prompt: str | None = None,    # a system message put first in every conversation without one
                  train_on_prompt: bool = False,       # learn the prompt tokens too
                  use_chat_template: bool | None = None, # None: when the tokenizer has one (chat data requires one)
                  split: str = "train",                # which split, for a DatasetDict or a sliced file
                  train_on: str = "all",               # multi-turn: "all" assistant turns, or the "last" only
+                 context: int | None = None,          # the model's context: caps max_seq_len=None, refuses a larger one
+                 too_long: str = "drop",              # a row longer than max_seq_len: "drop" it (counted), or "error"
                 ):
-        if max_seq_len is not None and max_seq_len < 2: raise ValueError(f"max_seq_len={max_seq_len} is too small: a row needs at least 2 tokens.")
+        if too_long not in ("drop", "error"): raise ValueError(f"too_long={too_long!r}: use 'drop' (count and skip such rows) or 'error'.")
         rows = load_records(source, split)
-        fmt = conversation_format(rows, format, prompt_column, response_column, messages_column)
+        fmt = conversation_format(rows, format, prompt_field, response_field, messages_field)
         has_template = bool(getattr(tokenizer, "chat_template", None))
         if fmt in _CHAT_FORMATS and use_chat_template is None and not has_template:
             raise ValueError(f"{rows.name} is {fmt} data, but the tokenizer has no chat template, so roles and turns would be "
@@ -157,7 +179,7 @@ class SFTDataset(TorchDataset):
                 text = text_value(row.get("text"), where, "text")
                 ids = tokenizer.encode(text, add_bos=None, add_eos=True)
                 encoded.append((ids, [1] * len(ids))); st.empty_responses += text == ""; continue
-            msgs = row_messages(row, fmt, where, prompt_column, response_column, messages_column, system_prompt)
+            msgs = row_messages(row, fmt, where, prompt_field, response_field, messages_field, system_prompt)
             last = split_for_eval(msgs)
             st.empty_responses += last is not None and last[1] == ""
             encoded.append(encode_conversation(tokenizer, msgs, self.use_chat_template, train_on_prompt, train_on))
@@ -166,14 +188,19 @@ class SFTDataset(TorchDataset):
             raise ValueError(f"every {'text' if fmt == 'text' else 'response'} in {rows.name} is empty: there is nothing to learn "
                              "but the end-of-turn token. Check the column names and the data.")
         if st.empty_responses: warnings.warn(f"{st.empty_responses} of {st.examples} rows of {rows.name} have an empty response.")
-        st.longest = max(len(ids) for ids, _ in encoded)
-        self.max_seq_len = max_seq_len = max_seq_len or st.longest
+        self.lengths = [len(ids) for ids, _ in encoded]
+        st.longest = max(self.lengths)
+        self.max_seq_len, self.length_report = fit_max_seq_len(self.lengths, context, max_seq_len, windows=fmt == "text")
+        max_seq_len, over = self.max_seq_len, sum(n > self.max_seq_len for n in self.lengths)
+        if over and too_long == "error" and fmt != "text":
+            raise ValueError(f"{over} of {st.examples} examples of {rows.name} are longer than max_seq_len={max_seq_len} (the longest "
+                             f"has {st.longest} tokens); cutting them would lose their end-of-turn token. Set "
+                             f"max_seq_len={st.longest}, leave it unset to fit the data, or pass too_long='drop'.")
         self.examples = []
         for ids, mask in encoded:
             if fmt == "text": pieces = [(ids[s:s + max_seq_len], mask[s:s + max_seq_len]) for s in range(0, len(ids), max_seq_len)]
-            else:
-                if len(ids) > max_seq_len: ids, mask = ids[:max_seq_len], mask[:max_seq_len]; st.truncated += 1
-                pieces = [(ids, mask)]
+            elif len(ids) > max_seq_len: st.too_long += 1; continue
+            else: pieces = [(ids, mask)]
             for ids, mask in pieces:
                 labels = shift_labels(ids, mask)
                 n_trained = sum(l != IGNORE_INDEX for l in labels)
@@ -182,14 +209,13 @@ class SFTDataset(TorchDataset):
                 st.tokens += len(ids); st.trained_tokens += n_trained
         self.stats = st
         if not self.examples:
-            if st.truncated:
-                raise ValueError(f"every example is too long for max_seq_len={max_seq_len}: after truncation none has a "
-                                 f"response token left to learn (the longest has {st.longest} tokens). Raise max_seq_len "
-                                 f"(e.g. max_seq_len={st.longest}) or shorten the prompts.")
+            if st.too_long:
+                raise ValueError(f"every example of {rows.name} is longer than max_seq_len={max_seq_len} (the longest has "
+                                 f"{st.longest} tokens), so none is left to train on: set max_seq_len={st.longest}, or leave it "
+                                 "unset to fit the data.")
             raise ValueError(f"none of the {st.examples} examples has a token to learn: (chat) no message has the role 'assistant'.")
-        if st.truncated or st.dropped:
-            warnings.warn(f"{st.truncated} of {st.examples} examples were longer than max_seq_len={max_seq_len} and were cut; "
-                          f"{st.dropped} had nothing left to learn (no assistant turn, or cut before it) and were dropped.")
+        if st.too_long: warnings.warn(f"{rows.name}: {self.length_report}.")
+        if st.dropped: warnings.warn(f"{st.dropped} of {st.examples} examples of {rows.name} have no assistant turn to learn and were dropped.")
 
     def encode_prompt(self, messages: list[dict]) -> list[int]:
         "The prompt ids of `messages` rendered as this dataset renders its training rows."
@@ -199,15 +225,16 @@ class SFTDataset(TorchDataset):
     def __repr__(self): return f"SFTDataset({self.format}, max_seq_len={self.max_seq_len}; {self.stats})"
 
 # %% ../nbs/05_data.ipynb #98d8f6e3
-def eval_examples(rows, format: str = "auto", prompt_column: str = "prompt", response_column: str = "response",
-                  messages_column: str = "messages", system_prompt: str | None = None) -> list[dict]:
+@renamed_args
+def eval_examples(rows, format: str = "auto", prompt_field: str = "prompt", response_field: str = "response",
+                  messages_field: str = "messages", system_prompt: str | None = None) -> list[dict]:
     "Held-out rows as `dict(messages=prompt messages, answer=last assistant text, where=place)`; rows without one are skipped."
     rows = load_records(rows)
-    fmt = conversation_format(rows, format, prompt_column, response_column, messages_column)
+    fmt = conversation_format(rows, format, prompt_field, response_field, messages_field)
     if fmt == "text": raise ValueError("plain text rows have no answer to score; evaluate held-out loss instead.")
     out, skipped = [], 0
     for i, row in enumerate(rows):
-        ex = split_for_eval(row_messages(row, fmt, rows.where(i), prompt_column, response_column, messages_column, system_prompt))
+        ex = split_for_eval(row_messages(row, fmt, rows.where(i), prompt_field, response_field, messages_field, system_prompt))
         if ex is None: skipped += 1; continue
         out.append(dict(messages=ex[0], answer=ex[1], where=rows.where(i)))
     if skipped:
@@ -215,92 +242,35 @@ def eval_examples(rows, format: str = "auto", prompt_column: str = "prompt", res
         warnings.warn(f"{skipped} of {len(rows)} held-out rows have no assistant turn and are not scored.")
     return out
 
-def sft_split(source, tokenizer, n_eval: int = 0, seed: int = 0, **kw) -> tuple[SFTDataset, list[dict]]:
-    "(training `SFTDataset`, held-out eval examples): `n_eval` rows of `source` held out with `seed`; `kw` go to `SFTDataset`."
+@renamed_args
+def sft_split(source, tokenizer, eval_samples: int = 0, seed: int = 0, **kw) -> tuple[SFTDataset, list[dict]]:
+    "(training `SFTDataset`, held-out eval examples): `eval_samples` rows of `source` held out with `seed`; `kw` go to `SFTDataset`."
     rows = load_records(source, kw.pop("split", "train"))
-    if n_eval >= len(rows): raise ValueError(f"n_eval={n_eval} leaves no training rows: {rows.name} has {len(rows)} rows.")
-    parts = rows.train_test_split(test_size=n_eval, seed=seed) if n_eval else {"train": rows, "test": None}
+    if eval_samples >= len(rows): raise ValueError(f"eval_samples={eval_samples} leaves no training rows: {rows.name} has {len(rows)} rows.")
+    parts = rows.train_test_split(test_size=eval_samples, seed=seed) if eval_samples else {"train": rows, "test": None}
     train = SFTDataset(parts["train"], tokenizer, **kw)
-    if not n_eval or train.format == "text": return train, []
-    ekw = {k: kw[k] for k in ("prompt_column", "response_column", "messages_column", "system_prompt") if k in kw}
+    if not eval_samples or train.format == "text": return train, []
+    ekw = {k: kw[k] for k in ("prompt_field", "response_field", "messages_field", "system_prompt") if k in kw}
     return train, eval_examples(parts["test"], train.format, **ekw)
 
-# %% ../nbs/05_data.ipynb #3825c3e0
-def collate_fn(batch: list[dict],               # items of an `SFTDataset` or a `PackedDataset`
-               pad_id: int = 0,                 # token id put on padding (it is never trained on)
-               ignore_index: int = IGNORE_INDEX,
-               pad_to_multiple_of: int = 1,     # round the length up (e.g. 8 for tensor cores)
-              ) -> dict[str, torch.Tensor]:
-    "Right-pad items into a batch of (B, T) tensors: tokens, labels, and attn_mask (or positions + doc_ids when packed)."
-    T = max(len(x["tokens"]) for x in batch)
-    T = -(-T // pad_to_multiple_of) * pad_to_multiple_of
-    packed = "doc_ids" in batch[0]
-    def pad(key, value):
-        out = torch.full((len(batch), T), value, dtype=torch.long)
-        for b, x in enumerate(batch): out[b, :len(x[key])] = torch.as_tensor(x[key], dtype=torch.long)
-        return out
-    out = dict(tokens=pad("tokens", pad_id), labels=pad("labels", ignore_index))
-    if packed: out.update(positions=pad("positions", 0), doc_ids=pad("doc_ids", -1))
-    else:
-        out["attn_mask"] = torch.zeros(len(batch), T, dtype=torch.long)
-        for b, x in enumerate(batch): out["attn_mask"][b, :len(x["tokens"])] = 1
-    return out
+# %% ../nbs/05_data.ipynb #d711f8e6
+def answer_tokens(tokenizer, messages: list[dict], answer: str, use_chat_template: bool | None = None) -> int:
+    "Tokens a model generates to give `answer` after `messages` and stop: the answer as trained, through its end-of-turn token."
+    ids, mask = encode_conversation(tokenizer, list(messages) + [{"role": "assistant", "content": answer}], use_chat_template,
+                                    train_on="last")
+    turn, stops = [t for t, m in zip(ids, mask) if m], set(getattr(tokenizer, "stop_ids", None) or [tokenizer.eos_id])
+    return next((k + 1 for k, t in enumerate(turn) if t in stops), len(turn))
 
-# %% ../nbs/05_data.ipynb #d5b20eaf
-class PackedDataset(TorchDataset):
-    "Rows of exactly `max_seq_len` tokens, each holding whole examples; item `i` is tokens/labels/positions/doc_ids lists."
-    def __init__(self, rows: list[dict], max_seq_len: int, pad_id: int, n_examples: int):
-        self.rows, self.max_seq_len, self.pad_id, self.n_examples = rows, max_seq_len, pad_id, n_examples
-    def __len__(self): return len(self.rows)
-    def __getitem__(self, i): return self.rows[i]
-    @property
-    def fill(self) -> float:
-        "Fraction of the packed positions that hold real tokens."
-        return sum(sum(d >= 0 for d in r["doc_ids"]) for r in self.rows) / max(1, len(self.rows) * self.max_seq_len)
-    def __repr__(self):
-        return f"PackedDataset({self.n_examples} examples in {len(self)} rows of {self.max_seq_len} tokens, {self.fill:.0%} filled)"
-
-def pack(examples,                          # an `SFTDataset`, or any sequence of dicts with `tokens` and `labels`
-         max_seq_len: int | None = None,    # row length; default: the dataset's max_seq_len
-         pad_id: int | None = None,         # default: the dataset's pad id, else 0
-         ignore_index: int = IGNORE_INDEX,
-        ) -> PackedDataset:
-    "Greedily pack tokenized examples, in order, into rows of `max_seq_len` tokens with doc_ids and restarting positions."
-    max_seq_len = max_seq_len or getattr(examples, "max_seq_len", None)
-    if not max_seq_len: raise ValueError("pass max_seq_len: the length of a packed row.")
-    pad_id = pad_id if pad_id is not None else getattr(examples, "pad_id", 0)
-    rows, cur = [], dict(tokens=[], labels=[], positions=[], doc_ids=[])
-    def flush():
-        n = max_seq_len - len(cur["tokens"])
-        cur["tokens"] += [pad_id] * n; cur["labels"] += [ignore_index] * n
-        cur["positions"] += [0] * n; cur["doc_ids"] += [-1] * n
-        rows.append(cur)
-    n_docs = 0
-    for i in range(len(examples)):
-        ex = examples[i]
-        n = len(ex["tokens"])
-        if n > max_seq_len:
-            raise ValueError(f"example {i} has {n} tokens, more than max_seq_len={max_seq_len}: truncate first "
-                             f"(SFTDataset(..., max_seq_len={max_seq_len})) or pack with a larger max_seq_len.")
-        if cur["tokens"] and len(cur["tokens"]) + n > max_seq_len:
-            flush(); cur = dict(tokens=[], labels=[], positions=[], doc_ids=[]); n_docs = 0
-        cur["tokens"] += list(ex["tokens"]); cur["labels"] += list(ex["labels"])
-        cur["positions"] += list(range(n)); cur["doc_ids"] += [n_docs] * n
-        n_docs += 1
-    if cur["tokens"]: flush()
-    return PackedDataset(rows, max_seq_len, pad_id, len(examples))
-
-# %% ../nbs/05_data.ipynb #0166c725
-def make_loader(dataset,                    # an `SFTDataset` or `PackedDataset`
-                batch_size: int = 8,
-                shuffle: bool = True,
-                seed: int = 0,              # the shuffle order depends only on this
-                drop_last: bool = False,
-                num_workers: int = 0,
-                pad_to_multiple_of: int = 1,
-               ) -> DataLoader:
-    "A DataLoader that yields batch dicts (see the batch convention) in a seeded order."
-    pad_id = getattr(dataset, "pad_id", 0)
-    collate = partial(collate_fn, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of)   # picklable, for workers
-    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, num_workers=num_workers,
-                      collate_fn=collate, generator=torch.Generator().manual_seed(seed))
+def fit_max_new_tokens(tokenizer, evals: list[dict],          # held-out rows as `eval_examples` gives them
+                       use_chat_template: bool | None = None, # as the training data used it (`SFTDataset.use_chat_template`)
+                       max_new_tokens: int | None = None,     # the user's setting; None: from the answers
+                      ) -> tuple[int | None, str]:
+    "(max_new_tokens, report): the user's value, else the longest held-out answer in tokens, its end-of-turn token included."
+    if not evals: return max_new_tokens, "max_new_tokens: no held-out answers, nothing is generated"
+    need = [answer_tokens(tokenizer, e["messages"], e["answer"], use_chat_template) for e in evals]
+    k = max(range(len(need)), key=need.__getitem__)
+    longest = f"the longest held-out answer ({evals[k].get('where', f'row {k}')}) takes {need[k]} tokens with its end of turn"
+    if max_new_tokens is None: return need[k], f"max_new_tokens={need[k]}: {longest}"
+    cut = sum(n > max_new_tokens for n in need)
+    return max_new_tokens, (f"max_new_tokens={max_new_tokens} (as set)" + (f": {cut} of {len(need)} held-out answers are longer and "
+                            f"cannot match ({longest}; set max_new_tokens={need[k]})" if cut else f": {longest}"))

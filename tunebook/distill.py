@@ -5,22 +5,22 @@
 # %% ../nbs/12a_distill.ipynb #86652073
 from __future__ import annotations
 
-import json
-import math
+import typing
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from dataclasses import dataclass
 from torch import nn
 
-from .core import seed_everything
-from .data import IGNORE_INDEX, SFTDataset, collate_fn, get_task, make_task
+from .config import AdapterPart, DataPart, MemoryPart, ModelPart, OptimPart, Part, RunPart
+from .data import IGNORE_INDEX, collate_fn
 from .model import BUILDERS, build_model
-from .train import TrainConfig, Trainer, load_model_and_tokenizer, load_data, _prompt_messages, _HUB_NAME
+from .train import SFT, Trainer, load_model_and_tokenizer, to_device, _HUB_NAME
 
 # %% auto #0
-__all__ = ['kl_div_loss', 'ChunkedKLDiv', 'student_config', 'DistillConfig', 'DistillTrainer', 'run_distill']
+__all__ = ['kl_div_loss', 'ChunkedKLDiv', 'student_config', 'DistillPart', 'DistillConfig', 'held_out_kl', 'Distill',
+           'DistillTrainer', 'run_distill']
 
 # %% ../nbs/12a_distill.ipynb #85fd2b14
 def kl_div_loss(student_logits: torch.Tensor,  # (B, T, V)
@@ -128,30 +128,19 @@ def student_config(teacher_config, n_layers: int | None = None, dim: int | None 
 
 # %% ../nbs/12a_distill.ipynb #d9f8fdeb
 @dataclass
-class DistillConfig(TrainConfig):
-    "A distillation run: `model` is the student (None: a shrunk copy of the teacher's shape, random init)."
-    teacher: str = "embedded"          # the teacher: "embedded" or a Hugging Face folder
-    model: str | None = None           # the student: None, a builder name (with tokenizer), or a folder
-    student_layers: int | None = None  # shrunk student: layers (default: half the teacher's)
-    student_dim: int | None = None     # shrunk student: width (default: half the teacher's)
-    kl_weight: float = 1.0
-    ce_weight: float = 0.0             # also learn the data's labels
-    temperature: float = 1.0
-    kl_chunks: int = 4                 # ChunkedKLDiv chunks
-    distill_on_prompt: bool = True     # KL on prompt tokens too
-    method: str = "full"
-    lr: float = 3e-3
-    max_steps: int = 200
-    eval_samples: int = 50
-    output_dir: str = "runs/distill"
-
-    _kind = "distillation"
-    _ignores = dict(chunked_ce="distillation always uses chunked losses: set --kl-chunks",
-                    packing="distillation compares teacher and student on whole rows", nproc="distillation runs in one process")
+class DistillPart(Part):
+    "Distillation: the teacher, the shape of a shrunk student, and the loss mix."
+    teacher: str = "embedded"          # the teacher: "embedded" or a Hugging Face folder (same tokenizer as the student)
+    student_layers: int | None = None  # shrunk student (no --model): layers (default: half the teacher's)
+    student_dim: int | None = None     # shrunk student (no --model): width (default: half the teacher's)
+    kl_weight: float = 1.0             # weight of KL(teacher || student) in the loss
+    ce_weight: float = 0.0             # weight of the student's cross-entropy on the data's labels
+    temperature: float = 1.0           # soften both distributions; the KL is scaled by temperature**2
+    kl_chunks: int = 4                 # sequence chunks of the KL: neither model's full logits ever exist
+    distill_on_prompt: bool = True     # KL on the prompt tokens too (a denser signal than the answer alone)
 
     def problems(self) -> list[str]:
-        bad = super().problems()
-        t = str(self.teacher)
+        bad, t = [], str(self.teacher)
         if t != "embedded" and not Path(t).exists() and t.lower().replace("_", "-") not in BUILDERS and not _HUB_NAME.match(t):
             bad.append(f"{self.opt('teacher')}: no such folder; give a Hugging Face model folder (config.json + *.safetensors) or 'embedded'")
         for k in ("student_layers", "student_dim"):
@@ -160,118 +149,115 @@ class DistillConfig(TrainConfig):
             bad.append(f"kl_weight={self.kl_weight}, ce_weight={self.ce_weight}: both >= 0 and not both 0")
         if self.temperature <= 0: bad.append(f"temperature={self.temperature} must be > 0")
         if self.kl_chunks < 1: bad.append(f"kl_chunks={self.kl_chunks} must be >= 1")
-        return bad
+        return bad + super().problems()
+
+@dataclass
+class DistillConfig(ModelPart, DataPart, AdapterPart, OptimPart, MemoryPart, RunPart, DistillPart):
+    "A distillation run: every part of a fine-tune (the data is SFT's), plus the teacher and the loss mix."
+    model: str | None = None           # the student: None (a shrunk copy of the teacher's shape, random init), a builder name (with --tokenizer), or a folder
+    method: str = "full"               # "full", "lora", "dora" or "qlora" (the student)
+    lr: float = 3e-3                   # AdamW's peak learning rate
+    max_steps: int = 200               # optimizer steps
+    eval_samples: int = 50             # held-out prompts scored by exact match (and rows scored by KL and cross-entropy)
+    output_dir: str = "runs/distill"   # the run folder: config, metrics, checkpoints, model
+
+    _kind: typing.ClassVar[str] = "distillation"
+    _command: typing.ClassVar[str] = "distill"
 
 # %% ../nbs/12a_distill.ipynb #06de48e8
-class DistillTrainer(Trainer):
-    "Train a student to match a teacher's next-token distributions (forward KL, chunked)."
-    def __init__(self, config: DistillConfig | None = None, teacher=None, model=None, tokenizer=None,
-                 train_data=None, eval_data=None, check=None, callbacks=()):
-        super().__init__(config or DistillConfig(), model, tokenizer, train_data, eval_data, check, callbacks)
-        self.teacher = teacher
+@torch.no_grad()
+def held_out_kl(student, teacher, rows, kl_fn, batch_size: int = 32) -> float:
+    "Mean KL(teacher || student) per counted token of tokenized `rows`, in eval mode."
+    was, dev = student.training, student.embed_tokens.weight.device
+    student.eval()
+    total = n = 0
+    try:
+        for i in range(0, len(rows), batch_size):
+            b = to_device(collate_fn([rows[j] for j in range(i, min(i + batch_size, len(rows)))], getattr(rows, "pad_id", 0)), dev)
+            kw = dict(attn_mask=b.get("attn_mask"), return_hidden=True)
+            total += float(kl_fn(student(b["tokens"], **kw), student.output_weight, teacher(b["tokens"], **kw), teacher.output_weight, b["labels"]))
+            n += int((b["labels"] != IGNORE_INDEX).sum())
+    finally: student.train(was)
+    return total / n if n else float("nan")
 
-    def setup(self) -> "DistillTrainer":
-        c = self.config
-        seed_everything(c.seed)
-        if self.teacher is None:
-            try: self.teacher, tok = load_model_and_tokenizer(TrainConfig(model=c.teacher, tokenizer=c.tokenizer, revision=c.revision,
-                                                                                 dtype=c.dtype, device=c.device))
-            except (FileNotFoundError, ValueError) as e: raise type(e)(str(e).replace("--model", "--teacher")) from None
-            self.tokenizer = self.tokenizer or tok
+class Distill(SFT):
+    "A student learns a teacher's next-token distributions (forward KL, chunked), optionally the labels too."
+    name, lead = "distill", "held_out_kl"
+    def __init__(self, teacher=None): super().__init__(); self.teacher = teacher
+
+    def load_teacher(self, tr):
+        "The teacher (loaded once from --teacher) and its tokenizer (None when it was given)."
+        if self.teacher is not None: return None
+        c = tr.config
+        try: self.teacher, tok = load_model_and_tokenizer(ModelPart(model=c.teacher, tokenizer=c.tokenizer, revision=c.revision,
+                                                                    dtype=c.dtype, device=c.device))
+        except (FileNotFoundError, ValueError) as e: raise type(e)(str(e).replace("--model", "--teacher")) from None
+        return tok
+
+    def load_model(self, tr):
+        "The student: a shrunk copy of the teacher's shape (random init) unless --model names one; the teacher's tokenizer."
+        c, tok = tr.config, self.load_teacher(tr)
+        if c.model is not None:
+            model, own = load_model_and_tokenizer(c)
+            return model, tok or own
+        try: shape = student_config(self.teacher.config, c.student_layers, c.student_dim)
+        except ValueError as e:
+            h = max(1, self.teacher.config.n_heads // 2)
+            raise ValueError(f"{c.opt('student_dim')} does not fit the student's {h} heads ({e}): use a multiple of "
+                             f"{2 * h}, e.g. {2 * h * max(1, (c.student_dim or 0) // (2 * h))}.") from None
+        w = self.teacher.embed_tokens.weight
+        return build_model(shape, dtype=w.dtype, device=w.device), tok
+
+    def prepare_data(self, tr):
+        self.data_options = dict(train_on_prompt=tr.config.distill_on_prompt)   # the held-out rows are rendered the same way
+        super().prepare_data(tr)
+
+    def prepare_model(self, tr):
+        c = tr.config
+        self.load_teacher(tr)
         self.teacher.eval().requires_grad_(False)
-        if self.model is None:
-            if c.model is None:
-                dev = self.teacher.embed_tokens.weight.device
-                try: shape = student_config(self.teacher.config, c.student_layers, c.student_dim)
-                except ValueError as e:
-                    h = max(1, self.teacher.config.n_heads // 2)
-                    raise ValueError(f"{c.opt('student_dim')} does not fit the student's {h} heads ({e}): use a multiple of "
-                                     f"{2 * h}, e.g. {2 * h * max(1, (c.student_dim or 0) // (2 * h))}.") from None
-                self.model = build_model(shape, dtype=self.teacher.embed_tokens.weight.dtype, device=dev)
-            else:
-                self.model, tok = load_model_and_tokenizer(c); self.tokenizer = self.tokenizer or tok
-        if self.train_data is None:   # the held-out rows of a data file never train
-            self.train_data, evals, check = load_data(c, self.tokenizer, train_on_prompt=c.distill_on_prompt)
-            self.eval_data = self.eval_data if self.eval_data is not None else evals
-            self.check = self.check or check
-        self.held_out = self._dataset("eval", max(16, c.eval_samples)) if c.data is None else None
-        self.check = self.check or (lambda completion, answer: completion.strip() == str(answer).strip())
-        self.rows = self.train_data
-        self.n_batches = math.ceil(len(self.rows) / c.batch_size)
-        self._check_context()
-        self._apply_method()
-        self._apply_memory_techniques()   # checkpointing and offloading, as for fine-tuning
-        self.kl_fn = ChunkedKLDiv(c.kl_chunks, reduction="sum", temperature=c.temperature)
-        from tunebook.loss import ChunkedCrossEntropy
-        caps = {n: getattr(m, "final_softcap", None) for n, m in (("teacher", self.teacher), ("student", self.model))}
+        tr.teacher = self.teacher
+        caps = {n: getattr(m, "final_softcap", None) for n, m in (("teacher", self.teacher), ("student", tr.model))}
         if any(caps.values()):   # the chunked KL projects hidden states itself and has no cap: it would compare the wrong logits
             raise ValueError(f"distillation does not support a final logit soft-cap yet ({', '.join(f'{k} {v}' for k, v in caps.items() if v)}"
                              f"; Gemma models have one): use --teacher and a student without final_logit_softcapping.")
-        self.loss_fn = ChunkedCrossEntropy(c.kl_chunks, reduction="sum", softcap=getattr(self.model, "final_softcap", None) or None)
-        return self._finish_setup()
+        tr.kl_fn = self.kl_fn = ChunkedKLDiv(c.kl_chunks, reduction="sum", temperature=c.temperature)
 
-    def _dataset(self, split: str, n: int):
-        c = self.config
-        if c.data is not None:
-            return SFTDataset(c.data, self.tokenizer, max_seq_len=c.max_seq_len, format=c.format, prompt_column=c.prompt_field,
-                              response_column=c.response_field, messages_column=c.messages_field,
-                              system_prompt=c.system_prompt, train_on_prompt=c.distill_on_prompt, train_on=c.train_on,
-                              use_chat_template=None if c.chat_template else False)
-        if c.task is None:
-            from tunebook.embedded import FINETUNE_TASK
-        rows = make_task(c.task or FINETUNE_TASK, n, seed=c.seed, split=split)
-        return SFTDataset(rows, self.tokenizer, max_seq_len=c.max_seq_len, system_prompt=c.system_prompt,
-                          train_on_prompt=c.distill_on_prompt, use_chat_template=None if c.chat_template else False)
+    def loss(self, tr, batch):
+        c = tr.config
+        kw = {k: batch[k] for k in ("attn_mask", "positions", "doc_ids") if k in batch}
+        hidden = tr.model(batch["tokens"], return_hidden=True, **kw)
+        loss, stats = 0.0, {}
+        if c.kl_weight:
+            with torch.no_grad(): t_hidden = self.teacher(batch["tokens"], return_hidden=True, **kw)
+            kl = self.kl_fn(hidden, tr.model.output_weight, t_hidden, self.teacher.output_weight, batch["labels"])
+            loss, stats["kl"] = loss + c.kl_weight * kl, float(kl.detach())
+        if c.ce_weight:   # through the chunked cross-entropy when --chunked-ce is on, else on full logits
+            ce = tr.loss_fn(hidden, tr.model.output_weight, batch["labels"]) if tr.loss_fn is not None else \
+                F.cross_entropy(tr.model.lm_head(hidden).flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+            loss, stats["ce"] = loss + c.ce_weight * ce, float(ce.detach())
+        return loss, stats
+
+    def evaluate(self, tr) -> dict:
+        "Exact match of the student's answers; its held-out KL to the teacher and cross-entropy per counted token."
+        out = super().evaluate(tr)
+        if "eval_loss" in out: out["held_out_ce"] = out.pop("eval_loss")
+        if rows := self.held_out_rows(tr): out["held_out_kl"] = held_out_kl(tr.model, self.teacher, rows, self.kl_fn)
+        return out
+
+    def lead_metric(self, tr) -> str: return self.lead
+
+    def summary(self, tr) -> dict:
+        from tunebook.core import count_params
+        return dict(teacher_params=count_params(self.teacher), student_params=count_params(tr.model))
 
 # %% ../nbs/12a_distill.ipynb #0dee21e9
-def _distill_loss_sum(self: DistillTrainer, batch: dict) -> torch.Tensor:
-    c = self.config
-    kw = dict(attn_mask=batch.get("attn_mask"), return_hidden=True)
-    hidden = self.model(batch["tokens"], **kw)
-    loss = 0.0
-    if c.kl_weight:
-        with torch.no_grad(): t_hidden = self.teacher(batch["tokens"], **kw)
-        loss = loss + c.kl_weight * self.kl_fn(hidden, self.model.output_weight, t_hidden, self.teacher.output_weight, batch["labels"])
-    if c.ce_weight:
-        loss = loss + c.ce_weight * self.loss_fn(hidden, self.model.output_weight, batch["labels"])
-    return loss
+class DistillTrainer(Trainer):
+    "`Trainer` with the `Distill` objective: `teacher` (a model) or `config.teacher` (a folder) teaches `model` or a shrunk student."
+    def __init__(self, config: DistillConfig | None = None, teacher=None, model=None, tokenizer=None,
+                 train_data=None, eval_data=None, check=None, callbacks=()):
+        super().__init__(config or DistillConfig(), model, tokenizer, train_data, eval_data, check, callbacks, objective=Distill(teacher))
 
-@torch.no_grad()
-def _held_out_loss(self: DistillTrainer, data=None, batch_size: int = 32) -> dict:
-    "Mean KL(teacher || student) and the student's cross-entropy per counted token on held-out rows."
-    if not self.is_setup: self.setup()
-    data = self.held_out if data is None else data
-    was = self.model.training; self.model.eval()
-    kl = ce = n = 0.0
-    dev = self.model.embed_tokens.weight.device
-    for i in range(0, len(data), batch_size):
-        b = {k: v.to(dev) for k, v in collate_fn([data[j] for j in range(i, min(i + batch_size, len(data)))], data.pad_id).items()}
-        h = self.model(b["tokens"], attn_mask=b["attn_mask"], return_hidden=True)
-        th = self.teacher(b["tokens"], attn_mask=b["attn_mask"], return_hidden=True)
-        kl += float(self.kl_fn(h, self.model.output_weight, th, self.teacher.output_weight, b["labels"]))
-        ce += float(self.loss_fn(h, self.model.output_weight, b["labels"]))
-        n += int((b["labels"] != IGNORE_INDEX).sum())
-    self.model.train(was)
-    return dict(kl=kl / max(n, 1), ce=ce / max(n, 1))
-
-def _distill_fit(self: DistillTrainer, progress: bool = True) -> dict:
-    "Train; held-out KL and cross-entropy before and after join the summary."
-    if not self.is_setup: self.setup()
-    if "held_out_before" not in self.baseline:
-        self.baseline["held_out_before"] = self.held_out_loss() if self.held_out is not None else {}
-    summary = Trainer.fit(self, progress)
-    before = summary.pop("held_out_before")
-    after = self.held_out_loss() if self.held_out is not None else {}
-    summary.update({f"held_out_{k}_before": v for k, v in before.items()})
-    summary.update({f"held_out_{k}_after": v for k, v in after.items()})
-    from tunebook.core import count_params
-    summary.update(teacher_params=count_params(self.teacher), student_params=count_params(self.model))
-    (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
-
-DistillTrainer.loss_sum, DistillTrainer.held_out_loss, DistillTrainer.fit = _distill_loss_sum, _held_out_loss, _distill_fit
-
-# %% ../nbs/12a_distill.ipynb #36868ee6
 def run_distill(progress: bool = True, **options) -> dict:
     "Distil with `DistillConfig(**options)` (default: the embedded model teaches a half-size student); returns the summary."
     return DistillTrainer(DistillConfig(**options)).fit(progress=progress)

@@ -6,17 +6,36 @@
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import random
 import re
+import warnings
 from pathlib import Path
 
 from .core import check_file
 
 # %% auto #0
-__all__ = ['FORMATS', 'Records', 'load_records', 'text_value', 'detect_format', 'with_system', 'row_messages', 'split_for_eval',
-           'preference_example']
+__all__ = ['RENAMED_ARGS', 'FORMATS', 'renamed_args', 'Records', 'load_records', 'text_value', 'detect_format', 'with_system',
+           'row_messages', 'split_for_eval', 'preference_example']
+
+# %% ../nbs/05a_records.ipynb #e4bad800
+RENAMED_ARGS = {"prompt_column": "prompt_field", "response_column": "response_field", "messages_column": "messages_field",
+                "chosen_column": "chosen_field", "rejected_column": "rejected_field", "n_eval": "eval_samples"}
+
+def renamed_args(fn):
+    "Accept the old argument names of `RENAMED_ARGS` for one release, with a FutureWarning naming the new one."
+    @functools.wraps(fn)
+    def wrapper(*args, **kw):
+        for old, new in RENAMED_ARGS.items():
+            if old not in kw: continue
+            if new in kw: raise TypeError(f"{fn.__qualname__}: pass {new}= only ({old}= is its old name).")
+            warnings.warn(f"{fn.__qualname__}: {old}= is now {new}= (the config's name); the old name goes in the next release.",
+                          FutureWarning, stacklevel=2)
+            kw[new] = kw.pop(old)
+        return fn(*args, **kw)
+    return wrapper
 
 # %% ../nbs/05a_records.ipynb #b7e87b30
 class Records:
@@ -228,18 +247,19 @@ FORMATS = {"instruct": "prompt/response columns", "alpaca": "alpaca instruction/
            "chat": "OpenAI chat 'messages' column", "sharegpt": "ShareGPT 'conversations' column (from/value)",
            "text": "plain 'text' column (continued pre-training)", "preference": "preference pairs 'chosen'/'rejected'"}
 
-def detect_format(columns: list[str], prompt_column: str = "prompt", response_column: str = "response",
-                  messages_column: str = "messages") -> str:
+@renamed_args
+def detect_format(columns: list[str], prompt_field: str = "prompt", response_field: str = "response",
+                  messages_field: str = "messages") -> str:
     "The data format that `columns` imply (see the table above), or an error listing what each format needs."
     cols = set(columns)
     if {"chosen", "rejected"} <= cols: return "preference"
-    if messages_column in cols: return "chat"
+    if messages_field in cols: return "chat"
     if "conversations" in cols: return "sharegpt"
-    if {prompt_column, response_column} <= cols: return "instruct"
+    if {prompt_field, response_field} <= cols: return "instruct"
     if {"instruction", "output"} <= cols: return "alpaca"
     if "text" in cols: return "text"
-    raise ValueError(f"cannot tell the data format from the columns {list(columns)}: use {prompt_column!r}/{response_column!r} "
-                     f"(or set prompt_column=/response_column=), {messages_column!r} (chat), 'conversations' (ShareGPT), "
+    raise ValueError(f"cannot tell the data format from the columns {list(columns)}: use {prompt_field!r}/{response_field!r} "
+                     f"(or set prompt_field=/response_field=), {messages_field!r} (chat), 'conversations' (ShareGPT), "
                      "'instruction'/'output' (alpaca), 'text' (plain text), or 'chosen'/'rejected' (preference).")
 
 # %% ../nbs/05a_records.ipynb #ce4df46f
@@ -269,14 +289,15 @@ def with_system(messages: list[dict], system_prompt: str | None) -> list[dict]:
     if not system_prompt or (messages and messages[0]["role"] == "system"): return list(messages)
     return [{"role": "system", "content": system_prompt}] + list(messages)
 
-def row_messages(row: dict, fmt: str, where: str = "row", prompt_column: str = "prompt", response_column: str = "response",
-                 messages_column: str = "messages", system_prompt: str | None = None) -> list[dict]:
+@renamed_args
+def row_messages(row: dict, fmt: str, where: str = "row", prompt_field: str = "prompt", response_field: str = "response",
+                 messages_field: str = "messages", system_prompt: str | None = None) -> list[dict]:
     "One row of a conversational format as a list of `{'role', 'content'}` messages with exact text."
-    if fmt == "chat": msgs = _turns(row.get(messages_column), where, messages_column, "role", "content")
+    if fmt == "chat": msgs = _turns(row.get(messages_field), where, messages_field, "role", "content")
     elif fmt == "sharegpt": msgs = _turns(row.get("conversations"), where, "conversations", "from", "value")
     elif fmt == "instruct":
-        msgs = [{"role": "user", "content": text_value(row.get(prompt_column), where, prompt_column, "prompt_column")},
-                {"role": "assistant", "content": text_value(row.get(response_column), where, response_column, "response_column")}]
+        msgs = [{"role": "user", "content": text_value(row.get(prompt_field), where, prompt_field, "prompt_field")},
+                {"role": "assistant", "content": text_value(row.get(response_field), where, response_field, "response_field")}]
     elif fmt == "alpaca":
         inst, extra = text_value(row.get("instruction"), where, "instruction"), row.get("input")
         extra = "" if extra is None else text_value(extra, where, "input")
@@ -291,16 +312,17 @@ def split_for_eval(messages: list[dict]) -> tuple[list[dict], str] | None:
     return None if last is None else (messages[:last], messages[last]["content"])
 
 # %% ../nbs/05a_records.ipynb #913ee941
-def preference_example(row: dict, where: str = "row", prompt_column: str = "prompt", chosen_column: str = "chosen",
-                       rejected_column: str = "rejected", system_prompt: str | None = None) -> tuple[list[dict], str, str]:
+@renamed_args
+def preference_example(row: dict, where: str = "row", prompt_field: str = "prompt", chosen_field: str = "chosen",
+                       rejected_field: str = "rejected", system_prompt: str | None = None) -> tuple[list[dict], str, str]:
     "(prompt messages, chosen text, rejected text) of one preference row, in either form."
-    p = row.get(prompt_column)
+    p = row.get(prompt_field)
     if isinstance(p, (list, tuple)) and p and isinstance(p[0], dict) and "role" in p[0]:
-        prompt = _turns(p, where, prompt_column, "role", "content")
+        prompt = _turns(p, where, prompt_field, "role", "content")
     elif p is None: prompt = []
-    else: prompt = [{"role": "user", "content": text_value(p, where, prompt_column, "prompt_column")}]
+    else: prompt = [{"role": "user", "content": text_value(p, where, prompt_field, "prompt_field")}]
     answers, prefixes = [], []
-    for col in (chosen_column, rejected_column):
+    for col in (chosen_field, rejected_field):
         v = row.get(col)
         if isinstance(v, (list, tuple)) and v and isinstance(v[0], dict) and "role" in v[0]:
             turns = _turns(v, where, col, "role", "content")
@@ -309,8 +331,8 @@ def preference_example(row: dict, where: str = "row", prompt_column: str = "prom
             prefixes.append(turns[:-1]); answers.append(turns[-1]["content"])
         else: prefixes.append([]); answers.append(text_value(v, where, col))
     if prefixes[0] != prefixes[1]:
-        raise ValueError(f"{where}: {chosen_column!r} and {rejected_column!r} have different turns before the answer; they must "
+        raise ValueError(f"{where}: {chosen_field!r} and {rejected_field!r} have different turns before the answer; they must "
                          "share one prompt.")
     prompt = prompt + prefixes[0]
-    if not prompt: raise ValueError(f"{where}: no prompt: give a {prompt_column!r} column, or chosen/rejected as message lists.")
+    if not prompt: raise ValueError(f"{where}: no prompt: give a {prompt_field!r} column, or chosen/rejected as message lists.")
     return with_system(prompt, system_prompt), answers[0], answers[1]

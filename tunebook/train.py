@@ -16,6 +16,7 @@ import shutil
 import sys
 import time
 import typing
+from types import SimpleNamespace
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,9 +27,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from .config import TrainConfig
 from .checkpoint import load_hf, publish_dir, save_hf, _atomic_dir
-from .core import count_params, get_device, get_dtype, human_bytes, seed_everything
-from .data import IGNORE_INDEX, SFTDataset, collate_fn, eval_examples, get_task, load_records, make_task, pack, sft_split
+from .core import patch, count_params, get_device, get_dtype, human_bytes, seed_everything
+from .data import IGNORE_INDEX, SFTDataset, collate_fn, encode_conversation, shift_labels, eval_examples, get_task, load_records, make_task, pack, sft_split
 from .records import FORMATS
 from .loggers import LOGGERS, make_loggers
 from .data import encode_prompt as data_encode_prompt
@@ -40,150 +42,9 @@ from .rundir import NonFiniteError, RunLock, SaveFailed, check_output_dir, clean
 from .tokenizer import load_tokenizer
 
 # %% auto #0
-__all__ = ['TrainConfig', 'resolve_name', 'load_model_and_tokenizer', 'check_vocab', 'load_data', 'encode_prompt', 'stop_ids',
-           'evaluate_accuracy', 'Trainer']
-
-# %% ../nbs/11_train.ipynb #47716b07
-@dataclass
-class TrainConfig:
-    "Everything that defines a fine-tuning run."
-    # what to train
-    model: str = "embedded"              # "embedded", a builder name (random weights), or a Hugging Face folder
-    tokenizer: str | None = None         # tokenizer folder; default: the model folder
-    revision: str | None = None          # hub names (ORG/NAME): the branch, tag or commit; None: main
-    data: str | None = None              # a local .json/.jsonl/.csv/.parquet/.arrow file or a datasets save_to_disk folder; None: a synthetic task
-    task: str | None = None              # synthetic task (default: the embedded model's fine-tune task)
-    n_train: int = 5000                  # synthetic task: training examples
-    format: str = "auto"                 # auto, instruct, alpaca, chat, sharegpt or text
-    prompt_field: str = "prompt"
-    response_field: str = "response"
-    messages_field: str = "messages"
-    system_prompt: str | None = None
-    train_on: str = "all"                # multi-turn chat: learn "all" assistant turns or only the "last"
-    chat_template: bool = True           # render with the tokenizer's chat template when it has one; --no-chat-template: the plain layout
-    eval_fraction: float = 0.05          # data file: share of rows held out for eval (at most eval_samples)
-    # method
-    method: str = "lora"                 # "full", "lora", "dora" or "qlora"
-    lora_rank: int = 16
-    lora_alpha: float = 32.0
-    lora_targets: tuple = ("all-linear",)  # module names, or all-linear: every linear in the blocks (Llama: q,k,v,o,gate,up,down; Phi-3: qkv_proj, gate_up_proj...)
-    lora_dropout: float = 0.0
-    # optimisation
-    max_steps: int = 500
-    batch_size: int = 32
-    grad_accum_steps: int = 1
-    lr: float = 5e-3
-    weight_decay: float = 0.0
-    warmup_steps: int = 20
-    schedule: str = "cosine"             # "cosine", "linear" or "constant" after warmup
-    min_lr_ratio: float = 0.0
-    max_grad_norm: float | None = 1.0
-    max_seq_len: int = 64
-    packing: bool = False
-    dtype: str = "fp32"
-    device: str = "auto"
-    seed: int = 0
-    # memory techniques
-    chunked_ce: int = 0                  # >0: chunked cross-entropy with this many chunks
-    activation_checkpointing: bool = False
-    activation_offloading: bool = False
-    optimizer_in_backward: bool = False
-    profile_memory: bool = False         # bytes by category at every step's peak (slower); steps 1-2 always
-    nproc: int = 1                       # processes, FSDP2-sharded (the CLI starts them with torchrun)
-    # eval, logging, checkpoints
-    eval_samples: int = 200              # held-out prompts scored by exact match
-    eval_every: int = 0                  # 0: before and after training only
-    max_new_tokens: int = 16
-    log_every: int = 10
-    save_every: int = 0                  # 0: only at the end
-    output_dir: str = "runs/finetune"
-    loggers: str = "csv"                 # experiment trackers, comma-separated: csv (metrics.csv, always written), tensorboard, mlflow, wandb
-    resume: bool = False                 # continue from the newest checkpoint in output_dir
-
-    def __post_init__(self):
-        self.lora_targets = tuple(self.lora_targets.split(",")) if isinstance(self.lora_targets, str) else tuple(self.lora_targets)
-
-    _kind = "training"  # names the options in the error
-    _formats = tuple(f for f in FORMATS if f != "preference")   # what --format accepts (DPO reads preference pairs)
-
-    def validate(self) -> "TrainConfig":
-        "Refuse impossible options before any work is done: every problem in one error."
-        bad = self.problems()
-        if bad: raise ValueError(f"invalid {self._kind} options:\n  - " + "\n  - ".join(bad))
-        return self
-
-    def problems(self) -> list[str]:
-        "What is wrong with these options, each with its fix (subclasses add theirs to the list)."
-        bad, o = [], self.opt
-        if self.method not in ("full", "lora", "dora", "qlora"): bad.append(f"{o('method')}: use full, lora, dora or qlora")
-        if self.format not in ("auto", *self._formats): bad.append(f"{o('format')}: use auto, {', '.join(self._formats)}")
-        names = [n.strip() for n in str(self.loggers).split(",") if n.strip()]
-        if unknown := [n for n in names if n != "csv" and n not in LOGGERS]:
-            bad.append(f"loggers={self.loggers!r} (--logger): unknown {', '.join(unknown)}; use csv, {', '.join(LOGGERS)} (comma-separated)")
-        if self.train_on not in ("all", "last"): bad.append(f"{o('train_on')}: use all (every assistant turn) or last")
-        for k in ("max_steps", "batch_size", "grad_accum_steps", "max_seq_len", "log_every", "max_new_tokens"):
-            if getattr(self, k) < 1: bad.append(f"{o(k)} must be >= 1")
-        if self.data is None and self.n_train < 1: bad.append(f"{o('n_train')} must be >= 1: the synthetic task needs training rows")
-        for k, zero in (("save_every", "only at the end"), ("eval_every", "before and after only"), ("eval_samples", "no eval"),
-                        ("warmup_steps", "no warmup"), ("weight_decay", "none")):
-            if getattr(self, k) < 0: bad.append(f"{o(k)} must be >= 0 (0 = {zero})")
-        if self.lr <= 0: bad.append(f"{o('lr')} must be > 0")
-        if self.max_grad_norm is not None and self.max_grad_norm < 0:
-            bad.append(f"{o('max_grad_norm')} must be > 0 to clip, or 0 for no clipping (a negative norm flips every gradient)")
-        if self.schedule not in SCHEDULES: bad.append(f"{o('schedule')}: use one of {', '.join(sorted(SCHEDULES))}")
-        if not 0 <= self.min_lr_ratio <= 1: bad.append(f"{o('min_lr_ratio')} must be in [0, 1]")
-        if self.min_lr_ratio and self.schedule == "constant":
-            bad.append(f"{o('min_lr_ratio')} applies to a decaying schedule, and schedule is 'constant': set --schedule cosine or linear")
-        if self.method != "full":
-            if self.lora_rank < 1: bad.append(f"{o('lora_rank')} must be >= 1")
-            if self.lora_alpha <= 0: bad.append(f"{o('lora_alpha')} must be > 0")
-            if not 0 <= self.lora_dropout < 1: bad.append(f"{o('lora_dropout')} must be in [0, 1)")
-            if not self.lora_targets: bad.append(f"{o('lora_targets')}: name at least one module (q_proj,v_proj,...)")
-        if self.chunked_ce < 0: bad.append(f"{o('chunked_ce')} must be >= 0 (0 = off)")
-        bad += self._device_problems()
-        if self.optimizer_in_backward and self.grad_accum_steps > 1:
-            bad.append("optimizer_in_backward steps during backward, so it cannot accumulate gradients: set grad_accum_steps=1")
-        if self.optimizer_in_backward and self.max_grad_norm:
-            bad.append("optimizer_in_backward cannot clip by global norm: set max_grad_norm=None (--max-grad-norm 0)")
-        if self.method == "qlora" and self.dtype in ("fp16", "float16", "half"):
-            bad.append("qlora with fp16 is not supported: use bf16 or fp32")
-        if not 0 <= self.eval_fraction < 1: bad.append(f"{o('eval_fraction')} must be in [0, 1)")
-        if self.nproc < 1: bad.append(f"{o('nproc')} must be >= 1")
-        if self.nproc > 1 and self.batch_size % self.nproc:
-            bad.append(f"batch_size={self.batch_size} must be a multiple of nproc={self.nproc} (each process takes an equal share)")
-        if self.nproc > 1 and self.method == "qlora": bad.append("qlora is not supported with nproc > 1 (NF4 weights do not shard)")
-        if self.nproc > 1 and self.activation_offloading: bad.append("activation_offloading is not supported with nproc > 1 yet")
-        bad += self._ignored_problems()
-        return bad
-
-    def _device_problems(self) -> list[str]:
-        "dtype and device: known names, present here, and a pair that trains (fp16 on CPU does not)."
-        o = self.opt
-        try: dtype = get_dtype(self.dtype)
-        except ValueError as e: return [f"{o('dtype')}: {e}"]
-        try: dev = get_device(self.device)
-        except ValueError as e: return [f"{o('device')}: {e}"]
-        except RuntimeError: return [f"{o('device')} is not a device torch knows: use auto, cpu, cuda or cuda:N"]
-        if dtype == torch.float16 and dev.type == "cpu":
-            return [f"{o('dtype')} on CPU: fp16 training overflows to NaN without loss scaling; use bf16 (same range as fp32) or fp32"]
-        return []
-
-    # options this kind of run does not use, each with the reason: refused unless left at the default, and left
-    # out of config.json (subclasses fill it)
-    _ignores: typing.ClassVar[dict] = {}
-
-    def _ignored_problems(self) -> list[str]:
-        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-        return [f"{self.opt(k)}: {self._kind} does not use it ({why}); leave it out"
-                for k, why in self._ignores.items() if getattr(self, k) != defaults[k]]
-
-    def opt(self, k: str) -> str:
-        "`name=value (--flag)`: how an error names an option for both Python and CLI users."
-        return f"{k}={getattr(self, k)!r} (--{k.replace('_', '-')})"
-
-    def to_dict(self) -> dict:
-        "The options as a dict, without those this kind of run ignores."
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in self._ignores}
+__all__ = ['resolve_name', 'load_model_and_tokenizer', 'check_vocab', 'DataSplit', 'exact_check', 'split_data', 'load_data',
+           'encode_prompt', 'stop_ids', 'evaluate_accuracy', 'Objective', 'to_device', 'lm_loss_sum', 'held_out_loss',
+           'SFT', 'Trainer']
 
 # %% ../nbs/11_train.ipynb #9242a9ab
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -235,10 +96,21 @@ def check_vocab(model, tokenizer, where="the tokenizer"):
         warn(f"the tokenizer ({where}) has {n} tokens but the model was trained with {V}: they probably do not belong "
              "together (use the tokenizer from the model's folder).")
 
-def load_data(cfg: TrainConfig, tokenizer, **sft_options):
-    "(train SFTDataset, eval rows as dicts with messages + answer + where, checker(completion, answer) -> bool); eval rows never train."
-    kw = dict(max_seq_len=cfg.max_seq_len, format=cfg.format, prompt_column=cfg.prompt_field,
-              response_column=cfg.response_field, messages_column=cfg.messages_field, system_prompt=cfg.system_prompt,
+class DataSplit(typing.NamedTuple):
+    "What a config's data becomes: training rows, eval prompts with answers, their checker, tokenized held-out rows."
+    train: SFTDataset
+    evals: list        # dict(messages, answer, where): scored by generation
+    check: typing.Callable
+    held_out: SFTDataset | None   # the same held-out rows, tokenized as training tokenizes: scored by loss
+
+def exact_check(completion: str, answer) -> bool:
+    "Exact match after stripping surrounding whitespace."
+    return completion.strip() == str(answer).strip()
+
+def split_data(cfg: TrainConfig, tokenizer, **sft_options) -> DataSplit:
+    "The config's data, its held-out rows kept out of training: from a synthetic task (its eval split) or a data file."
+    kw = dict(max_seq_len=cfg.max_seq_len, format=cfg.format, prompt_field=cfg.prompt_field,
+              response_field=cfg.response_field, messages_field=cfg.messages_field, system_prompt=cfg.system_prompt,
               train_on=cfg.train_on, use_chat_template=None if cfg.chat_template else False, **sft_options)
     if cfg.data is None:
         if cfg.task is None:
@@ -248,15 +120,24 @@ def load_data(cfg: TrainConfig, tokenizer, **sft_options):
         held = make_task(task.name, cfg.eval_samples, seed=cfg.seed, split="eval")
         evals = [dict(messages=_prompt_messages(r[cfg.prompt_field], cfg.system_prompt), answer=r["answer"],
                       where=f"{task.name} eval row {i}") for i, r in enumerate(held)]
-        return SFTDataset(train, tokenizer, **kw), evals, task.check
+        train = SFTDataset(train, tokenizer, **kw)
+        return DataSplit(train, evals, task.check, SFTDataset(held, tokenizer, **kw) if len(held) else None)
     rows = load_records(cfg.data)
     n_eval = min(cfg.eval_samples, int(len(rows) * cfg.eval_fraction))
     # the held-out rows as the data layer renders them (system prompt, chat turns; rows with no answer are skipped)
-    try: train, evals = sft_split(rows, tokenizer, n_eval=n_eval, seed=cfg.seed, **kw)
+    try:
+        train, evals = sft_split(rows, tokenizer, eval_samples=n_eval, seed=cfg.seed, **kw)
+        held = SFTDataset(rows.train_test_split(test_size=n_eval, seed=cfg.seed)["test"], tokenizer, **kw) if n_eval else None
     except ValueError as e: raise ValueError(_flag_names(str(e))) from None
-    return train, evals, lambda completion, answer: completion.strip() == str(answer).strip()
+    return DataSplit(train, evals, exact_check, held)
 
-_DATA_SPELLING = {"n_eval=": "--eval-samples ", "use_chat_template=False": "--no-chat-template", "prompt_column=": "--prompt-field ", "response_column=": "--response-field ", "messages_column=": "--messages-field ",
+def load_data(cfg: TrainConfig, tokenizer, **sft_options):
+    "(train SFTDataset, eval rows as dicts with messages + answer + where, checker(completion, answer) -> bool); eval rows never train."
+    return tuple(split_data(cfg, tokenizer, **sft_options))[:3]
+
+_DATA_SPELLING = {"eval_samples=": "--eval-samples ", "n_eval=": "--eval-samples ", "use_chat_template=False": "--no-chat-template",
+                  "prompt_field=": "--prompt-field ", "response_field=": "--response-field ", "messages_field=": "--messages-field ",
+                  "prompt_column=": "--prompt-field ", "response_column=": "--response-field ", "messages_column=": "--messages-field ",
                   "max_seq_len=": "--max-seq-len "}
 
 def _flag_names(msg: str) -> str:
@@ -293,13 +174,152 @@ def evaluate_accuracy(model, tokenizer, evals: list[dict], check, max_new_tokens
             results.append((e["messages"][-1]["content"], text, e["answer"], bool(check(text, e["answer"]))))
     return (sum(r[3] for r in results) / max(1, len(results))), results
 
+# %% ../nbs/11_train.ipynb #h1obj0ex
+class Objective:
+    "What a kind of training computes; `Trainer`'s one loop does everything else."
+    name: str = "objective"
+    lead: str = "eval_accuracy"   # the eval metric the summary leads with
+
+    def load_model(self, tr) -> tuple:
+        "(model, tokenizer) when the trainer was given none: by default what the config names."
+        return load_model_and_tokenizer(tr.config)
+
+    def prepare_data(self, tr) -> None:
+        "Load or build the training rows (`tr.rows`) and the held-out data; tr.model, tr.tokenizer, tr.config are set."
+
+    def prepare_model(self, tr) -> None:
+        "After the method (LoRA...) and memory techniques, before sharding and the optimizer: a reference, a teacher."
+
+    def n_batches(self, tr) -> int | None:
+        "Micro-batches per epoch: one process keeps a short last batch; several drop it so every batch splits evenly."
+        n, bs = len(tr.rows), tr.config.batch_size
+        return math.ceil(n / bs) if tr.world == 1 else n // bs
+
+    def rows_of(self, tr, g: int) -> list:
+        "This process's rows of micro-batch `g`: one permutation per epoch drawn from seed + epoch, so resuming is setting the step."
+        epoch, i = divmod(g, tr.n_batches)
+        if getattr(tr, "_order", (None,))[0] != epoch:
+            tr._order = (epoch, torch.randperm(len(tr.rows), generator=torch.Generator().manual_seed(tr.config.seed + epoch)))
+        bs = tr.config.batch_size
+        return [tr.rows[j] for j in tr._order[1][i * bs:(i + 1) * bs].tolist()[tr.rank::tr.world]]
+
+    def batch(self, tr, g: int) -> dict:
+        "The g-th micro-batch of the run, on the model's device."
+        raise NotImplementedError(f"{type(self).__name__}.batch")
+
+    def weight(self, tr, batch: dict) -> int:
+        "How many units this micro-batch's summed loss covers (here: labelled tokens)."
+        return int((batch["labels"] != IGNORE_INDEX).sum())
+
+    def loss(self, tr, batch: dict) -> tuple[torch.Tensor, dict]:
+        "(loss summed over the units, stats: name -> 1-D tensor of per-unit values, or a float sum over the units)."
+        raise NotImplementedError(f"{type(self).__name__}.loss")
+
+    def evaluate(self, tr) -> dict:
+        "Held-out metrics: the summary stores each as {k}_before / {k}_after."
+        return {}
+
+    def lead_metric(self, tr) -> str:
+        "The eval metric the summary leads with."
+        return self.lead
+
+    def summary(self, tr) -> dict:
+        "Extra keys for summary.json."
+        return {}
+
+    def problems(self, config) -> list[str]:
+        "Options this objective refuses beyond the config's own checks, each with its fix."
+        return []
+
+    def __repr__(self): return f"{type(self).__name__}()"
+
+# %% ../nbs/11_train.ipynb #h1sft0ex
+def to_device(batch: dict, device) -> dict:
+    "Every tensor of `batch` on `device`."
+    return {k: v.to(device) for k, v in batch.items()}
+
+def lm_loss_sum(model, batch: dict, loss_fn=None) -> torch.Tensor:
+    "Summed cross-entropy of `batch` over its labelled tokens (fp32): through `loss_fn` (chunked, owns the projection) when given."
+    kw = {k: batch[k] for k in ("attn_mask", "positions", "doc_ids") if k in batch}
+    if loss_fn is not None:
+        return loss_fn(model(batch["tokens"], return_hidden=True, **kw), model.output_weight, batch["labels"])
+    logits = model(batch["tokens"], **kw)
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+@torch.no_grad()
+def held_out_loss(model, rows, batch_size: int = 32, loss_fn=None) -> float:
+    "Mean cross-entropy per labelled token of `rows` (tokenized, labels shifted), teacher-forced, in eval mode."
+    was, dev = model.training, model.embed_tokens.weight.device
+    model.eval()
+    total, n = 0.0, 0
+    try:
+        for i in range(0, len(rows), batch_size):
+            b = to_device(collate_fn([rows[j] for j in range(i, min(i + batch_size, len(rows)))], getattr(rows, "pad_id", 0)), dev)
+            total += float(lm_loss_sum(model, b, loss_fn)); n += int((b["labels"] != IGNORE_INDEX).sum())
+    finally: model.train(was)
+    return total / n if n else float("nan")
+
+# %% ../nbs/11_train.ipynb #h1sft1ex
+class SFT(Objective):
+    "Supervised fine-tuning: cross-entropy on the labelled (response) tokens; eval by exact match and held-out loss."
+    name, lead = "sft", "eval_accuracy"
+    def __init__(self, **data_options): self.data_options = data_options   # more `SFTDataset` options (e.g. train_on_prompt)
+
+    def prepare_data(self, tr):
+        c = tr.config
+        if tr.train_data is None:
+            d = split_data(c, tr.tokenizer, **self.data_options)
+            tr.train_data = d.train
+            tr.eval_data = tr.eval_data if tr.eval_data is not None else d.evals
+            tr.check = tr.check or d.check
+            tr.held_out = d.held_out if tr.held_out is None else tr.held_out
+        tr.check = tr.check or exact_check
+        tr.rows = pack(tr.train_data, c.max_seq_len) if c.packing else tr.train_data
+
+    def batch(self, tr, g):
+        batch = collate_fn(self.rows_of(tr, g), pad_id=getattr(tr.rows, "pad_id", 0))
+        if "attn_mask" in batch and bool(batch["attn_mask"].all()): del batch["attn_mask"]  # no padding: SDPA's causal path
+        return to_device(batch, tr.model.embed_tokens.weight.device)
+
+    def loss(self, tr, batch): return lm_loss_sum(tr.model, batch, tr.loss_fn), {}
+
+    def held_out_rows(self, tr):
+        "Tokenized held-out rows for the loss: the data's own, else the eval prompts with their answers, rendered as training rendered them."
+        if tr.held_out is None and tr.eval_data:
+            tpl = getattr(tr.train_data, "use_chat_template", None)
+            rows = []
+            for e in tr.eval_data:
+                ids, mask = encode_conversation(tr.tokenizer, list(e["messages"]) + [{"role": "assistant", "content": str(e["answer"])}], tpl)
+                rows.append(dict(tokens=ids, labels=shift_labels(ids, mask)))
+            tr.held_out = rows
+        return tr.held_out
+
+    def evaluate(self, tr):
+        out = {}
+        if tr.eval_data:
+            acc, tr.last_eval = evaluate_accuracy(tr.model, tr.tokenizer, tr.eval_data, tr.check, tr.config.max_new_tokens,
+                                                  use_chat_template=getattr(tr.train_data, "use_chat_template", None))
+            tr.write_samples(tr.last_eval[:3])
+            out["eval_accuracy"] = acc
+        else: out["eval_accuracy"] = float("nan")   # open-ended text: nothing to match (the loss leads)
+        if rows := self.held_out_rows(tr): out["eval_loss"] = held_out_loss(tr.model, rows, loss_fn=tr.loss_fn)
+        return out
+
+    def lead_metric(self, tr) -> str:
+        "Exact match for a synthetic task; held-out loss for a data file (open-ended answers)."
+        return "eval_loss" if tr.config.data is not None else "eval_accuracy"
+
 # %% ../nbs/11_train.ipynb #3a259656
 class Trainer:
-    "A fine-tuning run: `fit()` does it all; `setup()` / `train_step()` / `evaluate()` do it a piece at a time."
+    "A training run: `fit()` does it all; `setup()` / `train_step()` / `evaluate()` do it a piece at a time. What is trained: `objective`."
     def __init__(self, config: TrainConfig | None = None, model=None, tokenizer=None,
-                 train_data=None, eval_data=None, check=None, callbacks=()):
+                 train_data=None, eval_data=None, check=None, callbacks=(), objective: Objective | None = None):
         self.config = (config or TrainConfig()).validate()
+        self.objective = objective if objective is not None else _default_objective(self)
+        if bad := self.objective.problems(self.config):
+            raise ValueError(f"invalid {self.config._kind} options:\n  - " + "\n  - ".join(bad))
         self.model, self.tokenizer, self.train_data, self.eval_data, self.check = model, tokenizer, train_data, eval_data, check
+        self.held_out = None   # tokenized held-out rows (the objective's): scored by loss
         self.callbacks, self.step, self.metrics, self.is_setup, self.should_stop = list(callbacks), 0, [], False, False
         try: self.callbacks += make_loggers(self.config.loggers)   # trackers hear the same on_step / on_eval / on_end
         except ImportError as e: raise ValueError(f"--logger {self.config.loggers}: {e}") from None
@@ -313,19 +333,13 @@ class Trainer:
 
     def setup(self) -> "Trainer":
         "Load model, tokenizer and data, apply the method and memory techniques, build the optimizer."
-        c = self.config
+        c, obj = self.config, self.objective
         seed_everything(c.seed)
-        if self.model is None: self.model, tok = load_model_and_tokenizer(c); self.tokenizer = self.tokenizer or tok
+        if self.model is None: self.model, tok = obj.load_model(self); self.tokenizer = self.tokenizer or tok
         if self.tokenizer is None: raise ValueError("pass a tokenizer together with a model object")
-        if self.train_data is None:
-            self.train_data, evals, check = load_data(c, self.tokenizer)
-            self.eval_data = self.eval_data if self.eval_data is not None else evals
-            self.check = self.check or check
-        self.check = self.check or (lambda completion, answer: completion.strip() == str(answer).strip())
+        obj.prepare_data(self)
         self._check_context()
-        self.rows = pack(self.train_data, c.max_seq_len) if c.packing else self.train_data
-        # one process: a short last batch is fine; several: every batch must split evenly, so drop it
-        self.n_batches = math.ceil(len(self.rows) / c.batch_size) if self.world == 1 else len(self.rows) // c.batch_size
+        self.n_batches = obj.n_batches(self)
         if self.n_batches == 0:
             raise ValueError(f"{len(self.rows)} training rows cannot fill one batch of {c.batch_size}; lower batch_size.")
         self._apply_method()
@@ -333,6 +347,7 @@ class Trainer:
         if self.world != c.nproc:
             raise ValueError(f"the config asks for nproc={c.nproc} but {self.world} process(es) are running; "
                              "start with `tunebook finetune --nproc N` (it launches torchrun) or set nproc to match.")
+        obj.prepare_model(self)
         if self.world > 1:
             from tunebook.distributed import shard_model
             shard_model(self.model)
@@ -341,12 +356,12 @@ class Trainer:
     def _check_context(self):
         "Refuse a max_seq_len beyond the positions the model was trained for."
         ctx = getattr(self.model.config, "max_seq_len", None)
-        if ctx and self.config.max_seq_len > ctx:
+        if ctx and self.config.max_seq_len and self.config.max_seq_len > ctx:
             raise ValueError(f"{self.config.opt('max_seq_len')} is beyond the model's context of {ctx} positions "
                              f"(max_position_embeddings): set --max-seq-len {ctx} or less.")
 
     def _finish_setup(self):
-        "The end of every trainer's setup (the RL trainers' too): optimizer, trainable count, then resume."
+        "The end of every trainer's setup: optimizer, trainable count, then resume."
         self._build_optimizer()
         self.n_trainable = count_params(self.model, trainable_only=True)
         self.data_sha256 = data_fingerprint(self.config.data)
@@ -373,12 +388,12 @@ class Trainer:
         c = self.config
         # a final logit soft-cap (Gemma) is applied by the chunked loss as the model's own forward applies it
         self.loss_fn = ChunkedCrossEntropy(c.chunked_ce, reduction="sum", softcap=getattr(self.model, "final_softcap", None) or None) \
-            if c.chunked_ce else None
-        if c.activation_checkpointing:
+            if getattr(c, "chunked_ce", 0) else None
+        if getattr(c, "activation_checkpointing", False):
             from tunebook.memory import apply_activation_checkpointing
             apply_activation_checkpointing(self.model)
         self.offload = None
-        if c.activation_offloading:
+        if getattr(c, "activation_offloading", False):
             from tunebook.memory import OffloadActivations
             self.offload = OffloadActivations()
 
@@ -387,74 +402,87 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params: raise ValueError("nothing to train: no parameter requires grad")
         hp = dict(lr=c.lr, weight_decay=c.weight_decay)
-        if c.optimizer_in_backward:
+        if getattr(c, "optimizer_in_backward", False):
             self.optimizer = optimizer_in_backward(self.model, torch.optim.AdamW, **hp)
         else:
             self.optimizer = torch.optim.AdamW(params, **hp)
         warmup = min(c.warmup_steps, c.max_steps)  # a run shorter than the warmup warms up over all of it
         self.scheduler = get_schedule(c.schedule, self.optimizer, warmup, c.max_steps, c.min_lr_ratio)
 
-# %% ../nbs/11_train.ipynb #3d4f313b
-def _micro_batch(self: Trainer, g: int) -> dict:
-    "The g-th micro-batch of the run (deterministic in seed, epoch and position)."
-    c = self.config
-    epoch, i = divmod(g, self.n_batches)
-    if getattr(self, "_order", (None,))[0] != epoch:  # one permutation per epoch, drawn from seed + epoch
-        self._order = (epoch, torch.randperm(len(self.rows), generator=torch.Generator().manual_seed(c.seed + epoch)))
-    order = self._order[1]
-    idx = order[i * c.batch_size:(i + 1) * c.batch_size].tolist()[self.rank::self.world]  # this process's share
-    dev = self.model.embed_tokens.weight.device
-    batch = collate_fn([self.rows[j] for j in idx], pad_id=getattr(self.rows, "pad_id", 0))
-    if "attn_mask" in batch and bool(batch["attn_mask"].all()): del batch["attn_mask"]  # no padding: SDPA's causal path
-    return {k: v.to(dev) for k, v in batch.items()}
+    def micro_batch(self, g: int) -> dict:
+        "The g-th micro-batch of the run (the objective's)."
+        return self.objective.batch(self, g)
 
-def _loss_sum(self: Trainer, batch: dict) -> torch.Tensor:
-    "Summed cross-entropy of a micro-batch over its labelled tokens (fp32)."
-    kw = {k: batch[k] for k in ("attn_mask", "positions", "doc_ids") if k in batch}
-    if self.loss_fn is not None:
-        hidden = self.model(batch["tokens"], return_hidden=True, **kw)
-        return self.loss_fn(hidden, self.model.output_weight, batch["labels"])
-    logits = self.model(batch["tokens"], **kw)
-    return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    def loss_sum(self, batch: dict) -> torch.Tensor:
+        "The objective's loss of `batch`, summed over its units."
+        return self.objective.loss(self, batch)[0]
 
-Trainer.micro_batch, Trainer.loss_sum = _micro_batch, _loss_sum
+class _Legacy(SFT):
+    "A subclass that still overrides `loss_sum` (until it becomes an objective): the loop calls its method."
+    def loss(self, tr, batch): return type(tr).loss_sum(tr, batch), {}
+
+def _default_objective(tr) -> Objective:
+    return _Legacy() if type(tr).loss_sum is not Trainer.loss_sum else SFT()
 
 # %% ../nbs/11_train.ipynb #549b1fdd
+@patch
 def _memory_tracker(self: Trainer):
     "A `MemoryTracker` watching the model and optimizer, or None when this step is not profiled."
-    if self.world > 1 or not (self.config.profile_memory or self.step < 2): return None
+    if self.world > 1 or not (getattr(self.config, "profile_memory", False) or self.step < 2): return None
     from tunebook.memory import MemoryTracker
-    opts = list(self.optimizer.optimizers.values()) if self.config.optimizer_in_backward else [self.optimizer]
+    opts = list(self.optimizer.optimizers.values()) if getattr(self.config, "optimizer_in_backward", False) else [self.optimizer]
     return MemoryTracker(self.model.embed_tokens.weight.device).watch(self.model, *opts)
 
-def _train_step(self: Trainer) -> dict:
-    "One optimizer step over `grad_accum_steps` micro-batches; returns its metrics."
+@patch
+def forward_context(self: Trainer):
+    "What every forward and loss of a step runs under: activation offloading when it is on."
+    return self.offload if self.offload is not None else contextlib.nullcontext()
+
+def _add_stats(acc: dict, stats: dict, weight: int):
+    "Accumulate (sum, count) per stat: a tensor counts its elements, a float is a sum over the micro-batch's `weight` units."
+    for k, v in stats.items():
+        s, n = acc.get(k, (0.0, 0))
+        acc[k] = (s + float(v.detach().float().sum()), n + v.numel()) if torch.is_tensor(v) else (s + float(v), n + weight)
+
+def _mean_stats(acc: dict, world: int) -> dict:
+    "Each stat's mean over the step's units (all ranks)."
+    if not acc: return {}
+    keys = sorted(acc)
+    t = torch.tensor([x for k in keys for x in acc[k]], dtype=torch.float64)
+    if world > 1: dist.all_reduce(t)
+    return {k: (t[2 * i] / t[2 * i + 1]).item() if t[2 * i + 1] else float("nan") for i, k in enumerate(keys)}
+
+@patch
+def train_step(self: Trainer) -> dict:
+    "One optimizer step over `grad_accum_steps` micro-batches of the objective; returns its metrics."
     if not self.is_setup: self.setup()
-    c, t0 = self.config, time.perf_counter()
+    c, obj, t0 = self.config, self.objective, time.perf_counter()
     self.model.train()
-    batches = [self.micro_batch(self.step * c.grad_accum_steps + k) for k in range(c.grad_accum_steps)]
-    n_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
-    tracker = self._memory_tracker()
+    batches = [obj.batch(self, self.step * c.grad_accum_steps + k) for k in range(c.grad_accum_steps)]
+    weights = [obj.weight(self, b) for b in batches]
+    n_local = sum(weights)   # the step divides the summed loss by the units of all its micro-batches (and ranks)
+    tracker, acc = self._memory_tracker(), {}
     with tracker if tracker is not None else contextlib.nullcontext():
         total = 0.0
-        for b in batches:
+        for b, w in zip(batches, weights):
             if tracker is not None: tracker.phase = "forward"
-            with self.offload if self.offload is not None else contextlib.nullcontext():
-                loss_sum = self.loss_sum(b)
+            with self.forward_context():
+                loss_sum, stats = obj.loss(self, b)
             if tracker is not None: tracker.phase = "backward"
             if self.world > 1:
                 from tunebook.distributed import dp_loss
-                dp_loss(loss_sum, n_tokens).backward()   # FSDP averages gradients: scale to the global token mean
+                dp_loss(loss_sum, n_local).backward()   # FSDP averages gradients: scale to the global mean
             else:
-                (loss_sum / max(n_tokens, 1)).backward()
+                (loss_sum / max(n_local, 1)).backward()
             total += loss_sum.item()
+            _add_stats(acc, stats, w)
         if self.world > 1:
             from tunebook.distributed import global_mean
-            loss = global_mean(torch.tensor(total), n_tokens)
+            loss = global_mean(torch.tensor(total), n_local)
         else:
-            loss = total / max(n_tokens, 1)
+            loss = total / max(n_local, 1)
         grad_norm = None
-        if not c.optimizer_in_backward:
+        if not getattr(c, "optimizer_in_backward", False):
             grad_norm = self.clip_and_check(loss)   # raises NonFiniteError before a bad step is applied
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -463,8 +491,10 @@ def _train_step(self: Trainer) -> dict:
     self.scheduler.step()
     self.step += 1
     seconds = time.perf_counter() - t0
-    row = dict(step=self.step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=n_tokens * self.world,
-               seq_tokens=sum(int(b["tokens"].numel()) for b in batches) * self.world, seconds=seconds)
+    row = dict(step=self.step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=sum(int((b["labels"] != IGNORE_INDEX).sum())
+               for b in batches if "labels" in b) * self.world,
+               seq_tokens=sum(int(b["tokens"].numel()) for b in batches if "tokens" in b) * self.world, seconds=seconds,
+               **_mean_stats(acc, self.world))
     if tracker is not None:
         row.update(peak_bytes=tracker.peak, peak_phase=tracker.peak_phase,
                    **{f"mem_{k}": v for k, v in tracker.peak_categories.items()})
@@ -473,7 +503,8 @@ def _train_step(self: Trainer) -> dict:
         if hasattr(cb, "on_step"): cb.on_step(self, row)
     return row
 
-def _clip_and_check(self: Trainer, loss: float) -> float:
+@patch
+def clip_and_check(self: Trainer, loss: float) -> float:
     "Clip to max_grad_norm (when on) and return the gradient norm; raise `NonFiniteError` if it or `loss` is not finite."
     params = [p for p in self.model.parameters() if p.requires_grad]
     norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm or math.inf)  # inf: measure, do not clip
@@ -481,38 +512,32 @@ def _clip_and_check(self: Trainer, loss: float) -> float:
     self.check_finite(loss, grad_norm)
     return grad_norm
 
-def _check_finite(self: Trainer, loss: float, grad_norm: float | None):
+@patch
+def check_finite(self: Trainer, loss: float, grad_norm: float | None):
     "Raise `NonFiniteError` naming the step, the tensor and the fix when `loss` or `grad_norm` is NaN or infinite."
     msg = nonfinite_report(self.step + 1, float(loss), grad_norm, self.model, str(self.config.dtype))
     if msg is not None:
         self.optimizer.zero_grad(set_to_none=True) if hasattr(self.optimizer, "zero_grad") else None
         raise NonFiniteError(msg)
 
-Trainer._memory_tracker, Trainer.train_step = _memory_tracker, _train_step
-Trainer.clip_and_check, Trainer.check_finite = _clip_and_check, _check_finite
-
 # %% ../nbs/11_train.ipynb #1a35bc87
-def _evaluate(self: Trainer, n: int | None = None) -> float:
-    "Exact-match accuracy of greedy answers on the held-out prompts (the first `n` of them)."
+@patch
+def evaluate(self: Trainer) -> dict:
+    "The objective's held-out metrics now (SFT: exact match of greedy answers and held-out loss); callbacks hear them."
     if not self.is_setup: self.setup()
-    evals = self.eval_data[:n] if n else self.eval_data
-    if not evals: return float("nan")
-    acc, self.last_eval = evaluate_accuracy(self.model, self.tokenizer, evals, self.check, self.config.max_new_tokens,
-                                           use_chat_template=getattr(self.train_data, "use_chat_template", None))
-    self.write_samples(self.last_eval[:3])
-    for cb in self.callbacks:
-        if hasattr(cb, "on_eval"): cb.on_eval(self, acc)
-    return acc
+    metrics = self.objective.evaluate(self)
+    for cb in self.callbacks:   # trackers log the exact match under eval_accuracy
+        if hasattr(cb, "on_eval"): cb.on_eval(self, metrics.get("eval_accuracy", float("nan")))
+    return metrics
 
-def _write_samples(self: Trainer, results: list, **extra):
+@patch
+def write_samples(self: Trainer, results: list, **extra):
     "During a run: a few generations of this eval into output_dir/samples.jsonl and log.txt, to read what the model says."
     if not (self.is_main and self.lock.held and results): return
     with open(self.out / "samples.jsonl", "a") as f, open(self.out / "log.txt", "a") as log:
         for prompt, completion, answer, ok in results:
             f.write(json.dumps(dict(step=self.step, prompt=prompt, completion=completion, answer=answer, ok=ok, **extra)) + "\n")
             log.write(f"  step {self.step} sample: {prompt!r} -> {completion!r} (answer {answer!r}, {'ok' if ok else 'wrong'})\n")
-
-Trainer.evaluate, Trainer.write_samples = _evaluate, _write_samples
 
 # %% ../nbs/11_train.ipynb #cc0c3bb1
 def _rng_state() -> dict:
@@ -526,12 +551,14 @@ def _set_rng_state(s: dict):
     kind, keys, pos, has_gauss, cached = s["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
+@patch
 def _progress(self: Trainer) -> dict:
     "What progress.json holds: step, metrics, options, the baseline measurements and the data's fingerprint."
     return dict(step=self.step, metrics=self.metrics, config=self.config.to_dict(), baseline=self.baseline,
                 data_sha256=getattr(self, "data_sha256", None))
 
-def _save_checkpoint(self: Trainer, keep: int = 2) -> Path:
+@patch
+def save_checkpoint(self: Trainer, keep: int = 2) -> Path:
     "Write `output_dir/checkpoints/step_NNNNNN` atomically and keep the newest `keep`; if it cannot, save elsewhere and say where."
     final = self.out / "checkpoints" / f"step_{self.step:06d}"
     if self.world > 1: return self._save_distributed(final, keep)
@@ -551,6 +578,7 @@ def _save_checkpoint(self: Trainer, keep: int = 2) -> Path:
     self._prune(keep)
     return final
 
+@patch
 def _write_checkpoint(self: Trainer, final: Path):
     "Trainable weights, optimizer, schedule and RNG state, then progress.json, into a temporary folder renamed onto `final`."
     from safetensors.torch import save_file
@@ -565,6 +593,7 @@ def _write_checkpoint(self: Trainer, final: Path):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True); raise
 
+@patch
 def _prune(self: Trainer, keep: int):
     for old in _checkpoints(self.out)[:-keep]: shutil.rmtree(old, ignore_errors=True)
 
@@ -572,6 +601,7 @@ def _checkpoints(out: Path) -> list[Path]:
     "Complete checkpoints (those with progress.json, written last), oldest first."
     return sorted(p.parent for p in (out / "checkpoints").glob("step_*/progress.json"))
 
+@patch
 def _save_distributed(self: Trainer, final: Path, keep: int) -> Path:
     "Several processes: model and optimizer through torch.distributed.checkpoint, RNG and schedule per rank."
     from tunebook.distributed import save_distributed
@@ -587,6 +617,7 @@ def _save_distributed(self: Trainer, final: Path, keep: int) -> Path:
 # options that may change between a run and its resume; output_dir too, so a copied or moved run folder resumes
 _MAY_CHANGE = ("resume", "max_steps", "save_every", "eval_every", "log_every", "output_dir")
 
+@patch
 def _check_same_run(self: Trainer, path: Path, prog: dict):
     "Refuse to resume with other options, or on other data, than the run that wrote `path`."
     now = self.config.to_dict()
@@ -601,7 +632,8 @@ def _check_same_run(self: Trainer, path: Path, prog: dict):
         raise ValueError(f"cannot resume from {path}: the data file {self.config.data} changed since that run started "
                          f"(sha256 {was[:12]}... now {now_sha[:12]}...). Restore the file, or start a new run in another --output-dir.")
 
-def _load_checkpoint(self: Trainer, path=None) -> Path | None:
+@patch
+def load_checkpoint(self: Trainer, path=None) -> Path | None:
     "Restore the newest intact checkpoint in output_dir (or `path`); a damaged one is skipped with a warning. None if none."
     from safetensors.torch import load_file
     if path is None:
@@ -643,12 +675,9 @@ def _load_checkpoint(self: Trainer, path=None) -> Path | None:
     self.step, self.metrics, self.baseline = prog["step"], prog["metrics"], prog.get("baseline", {})
     return p
 
-Trainer.save_checkpoint, Trainer.load_checkpoint, Trainer._prune, Trainer._save_distributed = \
-    _save_checkpoint, _load_checkpoint, _prune, _save_distributed
-Trainer._progress, Trainer._write_checkpoint, Trainer._check_same_run = _progress, _write_checkpoint, _check_same_run
-
 # %% ../nbs/11_train.ipynb #effce1bf
-def _peak_memory(self: Trainer) -> tuple[int, str]:
+@patch
+def peak_memory(self: Trainer) -> tuple[int, str]:
     "(bytes, how measured): the CUDA allocator's peak; on CPU the tracked peak of live tensors (else peak RSS)."
     dev = self.model.embed_tokens.weight.device
     if dev.type == "cuda": return int(torch.cuda.max_memory_allocated(dev)), "torch.cuda.max_memory_allocated"
@@ -658,13 +687,16 @@ def _peak_memory(self: Trainer) -> tuple[int, str]:
     import resource
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "process peak RSS (ru_maxrss) of rank 0"
 
-def _stop(self: Trainer): self.should_stop = True
+@patch
+def stop(self: Trainer): self.should_stop = True
 
-def _metrics_frame(self: Trainer) -> pd.DataFrame:
+@patch
+def metrics_frame(self: Trainer) -> pd.DataFrame:
     "The per-step metrics as a DataFrame."
     return pd.DataFrame(self.metrics)
 
-def _plot_loss(self: Trainer, ax=None):
+@patch
+def plot_loss(self: Trainer, ax=None):
     "Loss per step (matplotlib)."
     import matplotlib
     if ax is None:
@@ -676,10 +708,9 @@ def _plot_loss(self: Trainer, ax=None):
     ax.set_xlabel("step"); ax.set_ylabel("cross-entropy"); ax.legend(); ax.grid(alpha=0.3)
     return ax
 
-Trainer.peak_memory, Trainer.stop, Trainer.metrics_frame, Trainer.plot_loss = _peak_memory, _stop, _metrics_frame, _plot_loss
-
 # %% ../nbs/11_train.ipynb #5a9bbf88
-def _claim_output(self: Trainer):
+@patch
+def claim_output(self: Trainer):
     "Before any work: the output folder is writable and this run's, a killed run's leftovers are gone, config.json is written."
     check_output_dir(self.out)
     self.lock.acquire()
@@ -692,10 +723,12 @@ def _claim_output(self: Trainer):
         for p in old: shutil.rmtree(p, ignore_errors=True)
     if not self.config.resume and self.step == 0: (self.out / "log.txt").unlink(missing_ok=True)
     (self.out / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
+    self.config.save_yaml(self.out / "config.yaml")   # the resolved config, every option with its help
     if report := getattr(self.train_data, "format_report", None):   # how the data was read: the format and where it came from
         with open(self.out / "log.txt", "a") as f: f.write(f"data {report}\n")
 
-def _fit(self: Trainer, progress: bool = True) -> dict:
+@patch
+def fit(self: Trainer, progress: bool = True) -> dict:
     "Train to `max_steps` with eval before and after; write the run folder; return the summary."
     if not self.is_setup: self.setup()
     if self.is_main: self.claim_output()
@@ -703,44 +736,53 @@ def _fit(self: Trainer, progress: bool = True) -> dict:
     finally:
         if self.is_main: self.lock.release()
 
+def _has_baseline(baseline: dict) -> bool:
+    "Whether the objective's before-metrics are in (a subclass that is not yet an objective keeps a dict of its own there)."
+    return any(k.endswith("_before") and not isinstance(v, dict) for k, v in baseline.items())
+
+@patch
 def _fit_owned(self: Trainer, progress: bool) -> dict:
-    c = self.config
-    if "eval_accuracy_before" not in self.baseline: self.baseline["eval_accuracy_before"] = self.evaluate()
-    self.summary = dict(self.baseline)
-    self.should_stop = False
-    bar = tqdm(total=c.max_steps, initial=self.step, desc="fine-tune", disable=not (progress and self.is_main))
+    c, obj = self.config, self.objective
+    if not _has_baseline(self.baseline): self.baseline.update({f"{k}_before": v for k, v in self.evaluate().items()})
+    self.summary, self.should_stop = dict(self.baseline), False
+    bar = tqdm(total=c.max_steps, initial=self.step, desc=obj.name, disable=not (progress and self.is_main))
     try:
         while self.step < c.max_steps and not self.should_stop:
             row = self.train_step()
             bar.update(1)
+            if c.eval_every and self.step % c.eval_every == 0 and self.step < c.max_steps: row.update(self.evaluate())
             if self.step % c.log_every == 0 or self.step == c.max_steps:
                 bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}")
                 self.log(row)
-            if c.eval_every and self.step % c.eval_every == 0 and self.step < c.max_steps:
-                row["eval_accuracy"] = self.evaluate()
             if c.save_every and self.step % c.save_every == 0: self.save_checkpoint()
     except NonFiniteError as e:
         bar.close()
         raise self.fail(str(e)) from None
     bar.close()
     last = self.save_checkpoint()
-    acc_after = self.evaluate()
-    if self.metrics: self.metrics[-1]["eval_accuracy"] = acc_after
-    self.summary.update(eval_accuracy_after=acc_after, **self.run_stats(), status="ok")
+    after = self.evaluate()
+    if self.metrics: self.metrics[-1].update(after)
+    lead, both = obj.lead_metric(self), {**self.baseline, **{f"{k}_after": v for k, v in after.items()}}
+    first = {k: both[k] for k in (f"{lead}_before", f"{lead}_after") if k in both}   # the summary leads with the lead metric
+    self.summary = {**first, **both, "lead_metric": lead, **self.run_stats(), **obj.summary(self), "status": "ok"}
     self.write_outputs(last)
     if self.world > 1: dist.barrier()
     for cb in self.callbacks:
         if hasattr(cb, "on_end"): cb.on_end(self, self.summary)
     return self.summary
 
-def _log(self: Trainer, row: dict):
+@patch
+def log(self: Trainer, row: dict):
     "Append one line about this step to output_dir/log.txt (every log_every steps; the progress bar shows the same)."
     if not self.is_main: return
-    extra = "".join(f" {k} {row[k]:.4g}" for k in ("grad_norm", "eval_accuracy") if row.get(k) is not None)
+    skip = {"step", "loss", "lr", "tokens", "seq_tokens", "seconds", "peak_phase", "peak_bytes"}
+    extra = "".join(f" {k} {v:.4g}" for k, v in row.items() if k not in skip and not k.startswith("mem_")
+                    and isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None)
     with open(self.out / "log.txt", "a") as f:
         f.write(f"step {row['step']}/{self.config.max_steps} loss {row['loss']:.4f} lr {row['lr']:.3e}{extra}\n")
 
-def _run_stats(self: Trainer) -> dict:
+@patch
+def run_stats(self: Trainer) -> dict:
     "Steps, loss, speed, memory and parameter counts of the run so far, for summary.json."
     peak, how = self.peak_memory()
     trained = sum(r["tokens"] for r in self.metrics)
@@ -752,7 +794,8 @@ def _run_stats(self: Trainer) -> dict:
                 trainable_params=self.n_trainable, total_params=count_params(self.model), method=self.config.method,
                 stopped_early=self.step < self.config.max_steps)
 
-def _fail(self: Trainer, msg: str) -> NonFiniteError:
+@patch
+def fail(self: Trainer, msg: str) -> NonFiniteError:
     "After a non-finite step: keep a checkpoint of the last good step, write metrics and a failed summary; the error to raise."
     good = None
     if not self.config.optimizer_in_backward and self.step > 0:   # the bad step was not applied: this state is good
@@ -765,7 +808,8 @@ def _fail(self: Trainer, msg: str) -> NonFiniteError:
         (self.out / "summary.json").write_text(json.dumps(self.summary, indent=2))
     return NonFiniteError(f"{msg} Stopped: {where}; no model was written.")
 
-def _write_outputs(self: Trainer, last: Path | None = None):
+@patch
+def write_outputs(self: Trainer, last: Path | None = None):
     "metrics.csv, loss.png, model/ (HF format), adapter/ (LoRA), summary.json; `last`: this run's final checkpoint."
     import copy
     if not self.is_main: return
@@ -812,6 +856,3 @@ def _in_notebook() -> bool:
         from IPython import get_ipython
         return get_ipython() is not None and "IPKernelApp" in get_ipython().config
     except Exception: return False
-
-Trainer.fit, Trainer.write_outputs, Trainer.claim_output, Trainer._fit_owned = _fit, _write_outputs, _claim_output, _fit_owned
-Trainer.run_stats, Trainer.fail, Trainer.log = _run_stats, _fail, _log
