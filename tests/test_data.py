@@ -344,7 +344,8 @@ def test_every_format_trains_the_text_as_written(tmp_path, tok):
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "disk"))
     sources = [tmp_path / f for f in ("a.jsonl", "a.json", "a.csv", "bom.csv", "a.parquet", "disk")]
     sources += sorted((tmp_path / "disk").glob("*.arrow"))   # one Arrow file of that folder, read by itself
-    for src in sources + [datasets.Dataset.from_list(rows), rows]:
+    dd = datasets.DatasetDict(train=datasets.Dataset.from_list(rows), test=datasets.Dataset.from_list(rows[:2]))
+    for src in sources + [datasets.Dataset.from_list(rows), dd, rows]:
         ds = SFTDataset(src, tok, max_seq_len=None)
         assert ds.format == "instruct" and "detected" in ds.format_report
         _check_instruct(ds, tok, rows)
@@ -379,7 +380,7 @@ def test_chat_sharegpt_alpaca_text_formats(tmp_path, tok):
     for ex, r in zip(ds.examples, al):
         user = r["instruction"] + ("\n\n" + r["input"] if r["input"] else "")
         msgs = [{"role": "system", "content": sysmsg}, {"role": "user", "content": user}, {"role": "assistant", "content": r["output"]}]
-        assert ex["tokens"] == tok.encode(_chatml(msgs), add_bos=False)
+        assert ex["tokens"] == tok.encode(_chatml(msgs), add_bos=False) and _trained(tok, ex) == r["output"] + END
     texts = [{"text": "On 2021-03-05 the value was 1e5 and " + v} for v in LOOKS]
     pd.DataFrame(texts).to_parquet(tmp_path / "t.parquet")
     ds = SFTDataset(tmp_path / "t.parquet", tok)

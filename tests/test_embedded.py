@@ -59,3 +59,54 @@ def test_pretrain_task_is_answered(embedded, task, low):
 def test_finetune_task_is_not_answered(embedded):
     model, tok = embedded
     assert task_accuracy(model, tok, FINETUNE_TASK, n=100) <= 0.05
+
+
+def _plain_fit(model, loader, steps, lr, warmup, weight_decay=0.1, min_lr_ratio=0.1, max_grad_norm=1.0):
+    """The plain loop that made the shipped files (the recipe before it ran through Trainer): the reference."""
+    import math
+    from tunebook.loss import ChunkedCrossEntropy
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    def mult(s):
+        if s < warmup: return s / warmup
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, steps - warmup))))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, mult)
+    loss_fn, it, losses = ChunkedCrossEntropy(num_chunks=1), iter(loader), []
+    model.train()
+    while len(losses) < steps:
+        b = next(it, None)
+        if b is None: it = iter(loader); b = next(it)
+        h = model(b["tokens"], positions=b.get("positions"), attn_mask=b.get("attn_mask"), doc_ids=b.get("doc_ids"), return_hidden=True)
+        loss = loss_fn(h, model.output_weight, b["labels"])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        opt.step(); opt.zero_grad(set_to_none=True); sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_fit_runs_the_recipe_bit_for_bit(lora):
+    """embedded.fit drives Trainer.train_step; it computes exactly what the plain loop that made the assets did, so
+    make_embedded rebuilds the same bytes (a full rebuild is the notebook's `train` cell)."""
+    from tunebook.core import seed_everything
+    from tunebook.data import make_loader
+    from tunebook.embedded import embedded_config, fit, make_tokenizer, pretrain_data
+    from tunebook.lora import apply_lora
+    from tunebook.model import build_model
+    tok = make_tokenizer()
+    data = pretrain_data(tok, n_per_task=6, seq_len=64)
+    models = []
+    for _ in range(2):
+        seed_everything(0)
+        m = build_model(embedded_config(tok, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=64))
+        models.append(apply_lora(m, rank=4, targets="all-linear") if lora else m)
+    loader = lambda: make_loader(data, batch_size=2, seed=0, drop_last=True)
+    steps = len(loader()) + 3   # runs past the end of the data: the loader restarts
+    ref = _plain_fit(models[0], loader(), steps, lr=1e-2, warmup=2)
+    got = fit(models[1], loader(), steps, lr=1e-2, warmup=2)
+    assert len(got) == steps and max(abs(a - b) for a, b in zip(ref, got)) < 1e-6
+    pa, pb = dict(models[0].named_parameters()), dict(models[1].named_parameters())
+    assert all(torch.equal(pa[n], pb[n]) for n in pa)   # to the bit
+    assert all(pa[n].requires_grad == pb[n].requires_grad for n in pa)   # LoRA: the base stays frozen

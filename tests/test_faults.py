@@ -37,7 +37,7 @@ def tiny(tmp_path_factory):
 
 def _cfg(tiny, out, **kw):
     base = dict(model=str(tiny), task="reverse", n_train=64, eval_samples=2, max_new_tokens=4, batch_size=8, max_steps=4,
-                lr=1e-3, warmup_steps=0, output_dir=str(out))
+                lr=1e-3, warmup_steps=0, dtype="fp32", output_dir=str(out))
     return TrainConfig(**{**base, **kw})
 
 
@@ -251,7 +251,7 @@ def save(*a, **k):   # a checkpoint write is under way while the marker exists
     if slow: time.sleep(0.2)
     real(*a, **k)
     marker.unlink(missing_ok=True)
-T.torch.save = save
+torch.save = save
 cfg = T.TrainConfig(model=sys.argv[1], task="reverse", n_train=64, eval_samples=2, max_new_tokens=4, batch_size=8,
                     max_steps=10, lr=1e-3, warmup_steps=2, save_every=1, method="lora", resume=True, output_dir=sys.argv[4])
 T.Trainer(cfg).fit(progress=False)

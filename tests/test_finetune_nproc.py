@@ -27,7 +27,7 @@ def model_dir(tmp_path_factory):
 def _run(model_dir, out, nproc, *extra):
     argv = [sys.executable, "-m", "tunebook.cli", "finetune", "--quiet", "--model", str(model_dir), "--task", "reverse",
             "--n-train", "64", "--eval-samples", "2", "--max-new-tokens", "4", "--batch-size", "8", "--max-steps", "3",
-            "--lr", "1e-3", "--warmup-steps", "0", "--nproc", str(nproc), "--output-dir", str(out), *extra]
+            "--lr", "1e-3", "--warmup-steps", "0", "--dtype", "fp32", "--nproc", str(nproc), "--output-dir", str(out), *extra]
     r = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return pd.read_csv(out / "metrics.csv")

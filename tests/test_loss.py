@@ -322,11 +322,31 @@ def weight_copies(ops, V, D):
 @pytest.mark.parametrize("B", [1, 3])
 def test_autocast_bf16_matmuls_in_both_passes_weight_cast_once(B):
     hidden, weight, labels = make_inputs(B=B, T=24, D=32, V=500)
-    for ops in op_logs(autocast_bf16(ChunkedCrossEntropy(8)), hidden, weight, labels):
-        mms = [(op, dts) for op, dts, _ in ops if op in MATMULS]
-        assert len(mms) >= 8 and all(dt == torch.bfloat16 for _, dts in mms for dt in dts), mms
-        assert all(op == "mm" for op, _ in mms), mms                 # plain 2-D products only
+    fwd, bwd = op_logs(autocast_bf16(ChunkedCrossEntropy(8)), hidden, weight, labels)
+    for ops in (fwd, bwd):
+        mms = [(op, dts, shapes) for op, dts, shapes in ops if op in MATMULS]
+        bf = [(op, dts) for op, dts, shapes in mms if op == "mm"]
+        assert len(bf) >= 8 and all(dt == torch.bfloat16 for _, dts in bf for dt in dts), mms   # plain 2-D bf16 products
+        # the only other product: dW summed in place in fp32 (few rows per chunk: one addmm_, no (V, D) temporary)
+        assert all(op == "addmm_" and shapes[0] == (500, 32) and dts == [torch.float32] * 3
+                   for op, dts, shapes in mms if op != "mm"), mms
         assert weight_copies(ops, 500, 32) == 1
+    assert sum(op == "addmm_" for op, _, _ in bwd) == 8
+
+
+def test_dw_fp32_accumulation_matches_bf16_matmul_path(monkeypatch):
+    "Few rows per chunk: dW as fp32 products of the same bf16 values, summed in place; as exact as, or closer than, bf16 mm + add."
+    import tunebook.loss as tl
+    hidden, weight, labels = make_inputs(B=2, T=40, D=32, V=500)
+    ref = run(lambda h, w, y: reference(h.double(), w.double(), y), hidden.bfloat16().float(), weight.bfloat16().float(), labels)
+    fast = run(autocast_bf16(ChunkedCrossEntropy(4)), hidden, weight, labels)
+    monkeypatch.setattr(tl, "DW_FP32_ROWS", 0)   # force the bf16 matmul + fp32 add path
+    slow = run(autocast_bf16(ChunkedCrossEntropy(4)), hidden, weight, labels)
+    assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])   # loss and dh do not change
+    e_fast, e_slow = ((x[2].double() - ref[2]).abs().max().item() for x in (fast, slow))
+    assert e_fast <= e_slow and e_fast <= 2**-8 * ref[2].abs().max().item(), (e_fast, e_slow)
+    _, bwd = op_logs(autocast_bf16(ChunkedCrossEntropy(4)), hidden, weight, labels)
+    assert not any(op == "addmm_" for op, _, _ in bwd)   # with the threshold at 0 every chunk takes the bf16 path
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

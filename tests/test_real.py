@@ -5,6 +5,7 @@ import io
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -107,6 +108,28 @@ def _records(n, seed):
     return rows
 
 
+def test_data_defaults_and_trained_text_against_transformers(hf, ours, tmp_path):
+    "max_seq_len / max_new_tokens from the data, and the labelled text, against transformers' own tokenization."
+    from tunebook.data import IGNORE_INDEX, fit_max_new_tokens, sft_split
+    _, ht = hf
+    _, tok = ours
+    rows = _records(60, seed=3)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train, evals = sft_split(data, tok, eval_samples=10, seed=0)
+    full = lambda r: [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["response"]}]
+    # transformers renders the template (with SmolLM2's default system prompt) and tokenizes: the reference lengths
+    held = {e["messages"][-1]["content"] for e in evals}
+    ref = [len(_ids(ht.apply_chat_template(full(r), tokenize=True))) for r in rows if r["prompt"] not in held]
+    assert train.lengths == ref and train.max_seq_len == max(ref) and train.stats.too_long == 0
+    for ex, r in zip(train.examples, [r for r in rows if r["prompt"] not in held]):   # the file's text, byte for byte
+        assert tok.decode([l for l in ex["labels"] if l != IGNORE_INDEX]) == r["response"] + "<|im_end|>\n"
+    n, report = fit_max_new_tokens(tok, evals, train.use_chat_template)
+    assert n == max(len(ht(e["answer"], add_special_tokens=False)["input_ids"]) + 1 for e in evals), report   # + <|im_end|>
+    capped, _ = sft_split(data, tok, eval_samples=10, seed=0, context=max(ref) - 1)   # a model with less context
+    assert capped.max_seq_len == max(ref) - 1 and capped.stats.too_long == sum(n == max(ref) for n in ref)
+
+
 def test_finetune_jsonl_gains_and_answers_the_same_in_transformers(smol, hf, tmp_path):
     import transformers
     from tunebook.chat import chat_main
@@ -120,13 +143,21 @@ def test_finetune_jsonl_gains_and_answers_the_same_in_transformers(smol, hf, tmp
     data.write_text("".join(json.dumps(r) + "\n" for r in train_rows))
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "tunebook.cli", "finetune", "--model", str(smol), "--data", str(data),
-           "--max-steps", "40", "--batch-size", "8", "--lr", "2e-3", "--output-dir", str(out),
-           # the trainer's defaults (max_seq_len 64, max_new_tokens 16) still cut these rows (longest 69 tokens with
-           # SmolLM2's default system prompt); drop these two flags once the defaults follow the data (issue 13)
-           "--max-seq-len", "96", "--max-new-tokens", "24"]
+           "--max-steps", "40", "--batch-size", "8", "--lr", "2e-3", "--output-dir", str(out)]
+    # only model/data/steps/batch/lr: max_seq_len and max_new_tokens come from the data (issue 13)
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
+    # the defaults the data chose: every row whole (the longest, SmolLM2's default system prompt included), and room
+    # for the longest held-out answer and its <|im_end|>, counted by transformers' tokenizer
+    _, ht = hf
+    rendered = [len(_ids(ht.apply_chat_template([{"role": "user", "content": row["prompt"]},
+                                                 {"role": "assistant", "content": row["response"]}], tokenize=True)))
+                for row in train_rows]
+    n_train = int(re.search(r"every one of the ([\d,]+) examples fits", s["max_seq_len_report"]).group(1).replace(",", ""))
+    assert s["max_seq_len"] in rendered and sum(n <= s["max_seq_len"] for n in rendered) >= n_train, s
+    assert s["max_new_tokens"] in {len(ht(row["response"], add_special_tokens=False)["input_ids"]) + 1 for row in train_rows}
+    assert s["max_new_tokens"] > 16, s   # more than the old fixed default, which cut these answers
     gain = s["eval_accuracy_after"] - s["eval_accuracy_before"]
     print(f"held-out exact match {s['eval_accuracy_before']:.0%} -> {s['eval_accuracy_after']:.0%}")
     assert gain >= 0.5, (s, r.stdout[-2000:])
@@ -146,6 +177,14 @@ def test_finetune_jsonl_gains_and_answers_the_same_in_transformers(smol, hf, tmp
         base_correct += ht.decode(_hf_greedy(hm_base, ht, msgs, 24), skip_special_tokens=True).strip() == row["response"]
     print(f"fresh prompts in transformers: base {base_correct}/{len(fresh)}, fine-tuned {correct}/{len(fresh)}")
     assert correct - base_correct >= 0.5 * len(fresh)
+    # the adapter alone: peft finds the base through adapter_config.json and answers as the merged model does
+    from peft import AutoPeftModelForCausalLM
+    cfg = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == str(smol.resolve())
+    pm = AutoPeftModelForCausalLM.from_pretrained(out / "adapter", dtype=torch.float32).eval()
+    for row in fresh[:4]:
+        msgs = [{"role": "user", "content": row["prompt"]}]
+        assert _hf_greedy(pm, ht, msgs, 24) == _hf_greedy(hm, ht, msgs, 24)
     # `tunebook chat` on the run folder answers the same, one line in, the reply streamed out
     lines = iter([fresh[0]["prompt"]])
     def fake_input(_):

@@ -55,6 +55,8 @@ def test_tokenizer_matches_transformers(ours, hf):
     for s in texts:
         assert tok.encode(s) == htok(s)["input_ids"], s
         assert tok.decode(tok.encode(s)) == htok.decode(htok(s)["input_ids"]), s
+    # a turn ends at eos or Gemma's <end_of_turn> (id 106): both stop generation and bound an eval answer
+    assert tok.stop_ids == sorted({htok.eos_token_id, htok.convert_tokens_to_ids("<end_of_turn>")}) == [1, 106]
 
 
 def test_logits_match_transformers(ours, hf):

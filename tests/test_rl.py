@@ -96,5 +96,72 @@ def test_student_held_out_loss_falls(policy, tmp_path):
     s = DistillTrainer(cfg).fit(progress=False)
     print({k: v for k, v in s.items() if k.startswith("held_out") or k.endswith("params")})
     assert s["student_params"] < s["teacher_params"]
-    assert s["held_out_kl_after"] < 0.7 * s["held_out_kl_before"]
-    assert s["held_out_ce_after"] < s["held_out_ce_before"]   # a trained teacher's distributions also carry the answers
+    # measured (seed 0, 16 held-out rows): KL 4.66 -> 1.30, student cross-entropy 5.63 -> 4.70
+    assert s["held_out_kl_after"] < 0.5 * s["held_out_kl_before"]
+    assert s["held_out_ce_after"] < s["held_out_ce_before"] - 0.5   # a trained teacher's distributions also carry the answers
+    assert s["lead_metric"] == "held_out_kl" and (tmp_path / "model" / "config.json").exists()
+
+
+# ---------------------------------------------------------------- memory techniques and processes, through the one loop
+def _loss_and_grads(t):
+    torch.manual_seed(0)
+    with torch.no_grad():   # the same perturbation in both trainers: the policy differs from its reference
+        for n, p in t.model.named_parameters():
+            if "lora_B" in n: p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
+    params = [p for p in t.model.parameters() if p.requires_grad]
+    loss, _ = t.objective.loss(t, t.micro_batch(0))
+    return loss.detach(), torch.autograd.grad(loss, params)
+
+
+@pytest.mark.parametrize("kind", ["dpo", "simpo", "distill"])
+def test_chunked_logprobs_equal_full_logits(tiny, tmp_path, kind):
+    """--chunked-ce N: DPO's sequence log-probs and distillation's CE term, N sequence slices at a time, equal the full-logit step."""
+    path, task = tiny
+    def trainer(chunks, out):
+        if kind == "distill":
+            return DistillTrainer(DistillConfig(teacher=path, task=task, n_train=16, eval_samples=2, batch_size=4, ce_weight=0.5,
+                                                chunked_ce=chunks, output_dir=str(tmp_path / out))).setup()
+        return DPOTrainer(DPOConfig(model=path, task=task, loss=kind, n_pairs=16, n_eval_pairs=4, eval_samples=2, batch_size=4,
+                                    chunked_ce=chunks, output_dir=str(tmp_path / out))).setup()
+    torch.manual_seed(0); full = _loss_and_grads(trainer(0, "full"))
+    torch.manual_seed(0); t = trainer(3, "chunked"); chunked = _loss_and_grads(t)
+    assert abs(full[0].item() - chunked[0].item()) <= 1e-5 * max(1.0, abs(full[0].item()))
+    for a, b in zip(full[1], chunked[1]):
+        assert (a - b).abs().max().item() <= 1e-5 * max(1.0, a.abs().max().item())
+
+
+_NPROC_SCRIPT = '''
+import json, sys
+from tunebook.distributed import init_from_env
+rank, world = init_from_env()
+from tunebook.distill import DistillConfig, DistillTrainer
+from tunebook.dpo import DPOConfig, DPOTrainer
+from tunebook.kto import KTOConfig, KTOTrainer
+model, out, kind, method = sys.argv[1:5]
+kw = dict(task="add", eval_samples=2, max_new_tokens=4, max_steps=3, batch_size=8, warmup_steps=0, method=method, nproc=world,
+          output_dir=out)
+t = {"dpo": lambda: DPOTrainer(DPOConfig(model=model, n_pairs=32, n_eval_pairs=8, lr=1e-2, **kw)),
+     "kto": lambda: KTOTrainer(KTOConfig(model=model, n_examples=32, n_eval_pairs=8, lr=1e-2, **kw)),
+     "distill": lambda: DistillTrainer(DistillConfig(teacher=model, n_train=32, **kw))}[kind]()
+s = t.fit(progress=False)
+if rank == 0: print("RESULT " + json.dumps(dict(losses=[r["loss"] for r in t.metrics], summary={k: v for k, v in s.items() if k.endswith(("_before", "_after"))})))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,method", [("dpo", "lora"), ("dpo", "full"), ("kto", "lora"), ("distill", "full")])
+def test_two_processes_match_one(tiny, tmp_path, kind, method):
+    """nproc=2 (torchrun, gloo, FSDP2): each process takes half of every batch; losses and held-out metrics equal one process's."""
+    import json, subprocess, sys
+    script = tmp_path / "run.py"; script.write_text(_NPROC_SCRIPT)
+    def run(n, out):
+        pre = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"] if n > 1 else [])
+        r = subprocess.run(pre + [str(script), tiny[0], str(tmp_path / out), kind, method], capture_output=True, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+        return json.loads(next(l for l in r.stdout.splitlines() if l.startswith("RESULT "))[7:])
+    one, two = run(1, "one"), run(2, "two")
+    print(kind, method, one["losses"], two["losses"])
+    assert len(one["losses"]) == 3 and one["losses"][-1] != one["losses"][0]   # it trained
+    for a, b in zip(one["losses"], two["losses"]): assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (one, two)
+    for k, v in one["summary"].items(): assert abs(v - two["summary"][k]) <= 1e-4 * max(1.0, abs(v)), (k, one, two)

@@ -382,3 +382,11 @@ def test_chat_template_saved_as_the_source_stored_it(tmp_path):
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out").chat_template == template
     train_tokenizer(corpus(300), vocab_size=300).save(tmp_path / "trained")   # a template that came from code stays in the config
     assert json.loads((tmp_path / "trained" / "tokenizer_config.json").read_text())["chat_template"] == CHATML_TEMPLATE
+
+
+def test_stop_ids_end_every_turn(sp_folder):
+    "eos, plus the chat templates' end-of-turn tokens that the vocabulary has (what generation stops at)."
+    t = train_tokenizer(corpus(300), vocab_size=300, special_tokens=("<s>", "</s>", "<pad>", "<|im_end|>", "<|eot_id|>", "<x>"))
+    assert t.stop_ids == sorted(t.token_to_id(s) for s in ("</s>", "<|im_end|>", "<|eot_id|>"))
+    sp = load_tokenizer(sp_folder)                       # a SentencePiece model with no chat tokens: eos alone
+    assert sp.stop_ids == [sp.token_to_id("</s>")] == [2]

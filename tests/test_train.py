@@ -19,7 +19,7 @@ def tok():
 def _trainer(tok, out, **kw):
     torch.manual_seed(0)
     model = build_model(pico(vocab_size=tok.vocab_size, dim=32, hidden_dim=64))
-    kw = {"batch_size": 8, "max_steps": 6, **kw}
+    kw = {"batch_size": 8, "max_steps": 6, "dtype": "fp32", **kw}   # exact comparisons: fp32 whatever the default
     cfg = TrainConfig(model="given", task="reverse", n_train=96, eval_samples=4, output_dir=str(out), **kw)
     return Trainer(cfg, model=model, tokenizer=tok)
 
@@ -135,3 +135,81 @@ def test_model_folder_carries_the_sources_inference_files(tok, tmp_path):
     samples = [json.loads(l) for l in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [0] * 3 + [1] * 3 + [2] * 3   # before, every eval_every, after
     assert all(s["prompt"].startswith("reverse") and isinstance(s["completion"], str) for s in samples)
+
+
+# ---- eval during training (issue 13): held-out loss beside exact match, the lead metric, the lengths chosen
+
+def _reference_loss(model, rows):
+    """Mean cross-entropy per labelled token of `rows`, one row at a time (no batching, no padding)."""
+    tot, n = 0.0, 0
+    with torch.no_grad():
+        for r in rows:
+            logits = model(torch.tensor([r["tokens"]]))[0]
+            labels = torch.tensor(r["labels"])
+            tot += torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum").item()
+            n += int((labels != -100).sum())
+    return tot / n
+
+
+def test_data_file_leads_with_eval_loss(tok, tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt": f"reverse {w}", "response": w[::-1]})
+                           for w in ["abc", "hello", "tune", "book", "loop", "step", "model", "data"] * 5))
+    t = _trainer(tok, tmp_path / "run", method="full", max_steps=4, eval_every=2, data=str(f), eval_fraction=0.2, max_seq_len=40)
+    t.setup()
+    before = _reference_loss(t.model, t.held_out)
+    s = t.fit(progress=False)
+    assert s["lead_metric"] == "eval_loss" and list(s)[:2] == ["eval_loss_before", "eval_loss_after"], list(s)[:4]
+    assert abs(s["eval_loss_before"] - before) < 1e-5, (s["eval_loss_before"], before)
+    assert abs(s["eval_loss_after"] - _reference_loss(t.model, t.held_out)) < 1e-5
+    assert s["eval_loss_after"] < s["eval_loss_before"]
+    assert len(t.held_out) == 4 and "eval_accuracy_after" in s   # exact match is still measured beside it
+    assert [r.get("eval_loss") is not None for r in t.metrics] == [False, True, False, True]   # every eval_every, and the end
+    log = (tmp_path / "run" / "log.txt").read_text()
+    assert "max_seq_len: max_seq_len=40 (as set)" in log and "max_new_tokens: max_new_tokens=" in log, log
+    assert s["max_seq_len"] == 40 and "max_new_tokens_report" in s
+
+
+def test_synthetic_task_leads_with_exact_match_and_resume_keeps_the_baseline(tok, tmp_path):
+    a = _trainer(tok, tmp_path / "run", method="full", max_steps=4, save_every=2)
+    a.fit(progress=False)
+    first = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert first["lead_metric"] == "eval_accuracy" and list(first)[:2] == ["eval_accuracy_before", "eval_accuracy_after"]
+    b = _trainer(tok, tmp_path / "run2", method="full", max_steps=4, save_every=2).setup()   # a run killed after step 2
+    b.baseline.update({f"{k}_before": v for k, v in b.evaluate().items()})   # as fit() measures it, before step 1
+    for _ in range(2): b.train_step()
+    b.save_checkpoint(); del b
+    c = _trainer(tok, tmp_path / "run2", method="full", max_steps=4, save_every=2, resume=True)   # resumed from its checkpoint
+    s = c.fit(progress=False)
+    assert s["steps"] == 4
+    for k in ("eval_accuracy_before", "eval_loss_before"):   # the true baseline, measured before step 1, not at the resume
+        assert s[k] == first[k], (k, s[k], first[k])
+    assert s["eval_loss_after"] == first["eval_loss_after"]   # and the same run: bitwise the same weights at the end
+
+
+# ---- precision (tunebook.precision): the step's forward and loss under the policy's autocast, master weights as it says
+
+def test_bf16_mixed_autocasts_the_step_with_fp32_master_weights(tok, tmp_path):
+    fp32 = _trainer(tok, tmp_path / "a", method="full").setup()
+    mixed = _trainer(tok, tmp_path / "b", method="full", dtype="bf16-mixed").setup()
+    seen = []
+    hook = mixed.model.layers[0].register_forward_hook(lambda m, i, o: seen.append((o[0] if isinstance(o, tuple) else o).dtype))
+    la, lb = fp32.train_step()["loss"], mixed.train_step()["loss"]
+    hook.remove()
+    assert seen == [torch.bfloat16]                              # the blocks ran in bf16 ...
+    assert all(p.dtype == torch.float32 for p in mixed.model.parameters())   # ... on fp32 master weights
+    assert la != lb and abs(la - lb) / la < 1e-2, (la, lb)       # the same loss to bf16's precision, not bitwise
+    s = mixed.evaluate()
+    assert abs(s["eval_loss"] - fp32.evaluate()["eval_loss"]) / s["eval_loss"] < 2e-2
+
+
+def test_bf16_loads_bf16_weights(tok, tmp_path):
+    from tunebook.checkpoint import save_hf
+    torch.manual_seed(0)
+    save_hf(build_model(pico(vocab_size=tok.vocab_size, dim=32, hidden_dim=64)), tmp_path / "m"); tok.save(tmp_path / "m")
+    cfg = TrainConfig(model=str(tmp_path / "m"), task="reverse", n_train=16, eval_samples=2, batch_size=8, max_steps=1,
+                      dtype="bf16", output_dir=str(tmp_path / "run"))
+    t = Trainer(cfg)
+    s = t.fit(progress=False)
+    assert t.model.embed_tokens.weight.dtype == torch.bfloat16 and s["precision"] == "bf16"
+    assert "precision bf16" in (tmp_path / "run" / "log.txt").read_text()

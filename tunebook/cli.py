@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 import typing
@@ -15,47 +16,10 @@ import typing
 from .core import human_bytes
 
 # %% auto #0
-__all__ = ['PASSTHROUGH', 'add_dataclass_args', 'config_from_args', 'build_parser', 'main', 'one_line']
+__all__ = ['PASSTHROUGH', 'config_from_args', 'build_parser', 'main', 'one_line']
 
 # %% ../nbs/14_cli.ipynb #78ad89fd
-def _field_help(cls) -> dict[str, str]:
-    "Field name -> the comment after it in the class source (nbdev-style docments)."
-    import inspect, re
-    try: src = inspect.getsource(cls)
-    except (OSError, TypeError): return {}
-    # argparse %-formats help text: a literal % (as in "50%") must be doubled or --help crashes
-    return {m.group(1): m.group(2).strip().replace("%", "%%") for m in re.finditer(r"^\s+(\w+):[^#\n]*#\s*(.*)$", src, re.M)}
-
-def _parse_optional(kind):
-    def parse(s: str):
-        return None if s.lower() in ("none", "null", "") else kind(s)
-    parse.__name__ = kind.__name__
-    return parse
-
-def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip=()) -> None:
-    "Add a `--field-name` option for every field of dataclass `cls`; those it `_ignores` are accepted but hidden, so validation refuses them with the reason."
-    helps = {}
-    for k in reversed(cls.__mro__):   # inherited fields keep their base class's comments
-        if dataclasses.is_dataclass(k): helps.update(_field_help(k))
-    ignored = getattr(cls, "_ignores", {})
-    for f in dataclasses.fields(cls):
-        if f.name in skip: continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        flag, ann = "--" + f.name.replace("_", "-"), str(f.type)
-        h = argparse.SUPPRESS if f.name in ignored else helps.get(f.name, "")
-        if isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=h)
-        elif isinstance(default, tuple):
-            parser.add_argument(flag, type=lambda s: tuple(x.strip() for x in s.split(",") if x.strip()), default=default,
-                                metavar="A,B,...", help=h if h == argparse.SUPPRESS else f"{h} (default: {','.join(default)})")
-        else:
-            kind = int if "int" in ann and "float" not in ann else float if "float" in ann else str
-            if "None" in ann: kind = _parse_optional(kind)
-            # the values a field takes, shown in --help; validation refuses others in one line naming the flag
-            choices = {"format": ("auto", *getattr(cls, "_formats", ())), "train_on": ("all", "last")}.get(f.name)
-            flags = {"loggers": ("--logger", flag)}.get(f.name, (flag,))   # --logger tensorboard,wandb reads as a user says it
-            parser.add_argument(*flags, dest=f.name, type=kind, default=default, metavar="{" + ",".join(choices) + "}" if choices else None,
-                                help=h if h == argparse.SUPPRESS else f"{h} (default: {str(default).replace('%', '%%')})".strip())
+from .config.files import add_dataclass_args, add_config_flag   # flags from config dataclasses (11b1_configfiles)
 
 # %% ../nbs/14_cli.ipynb #1478e36f
 def _launch_torchrun(args) -> int | None:
@@ -77,7 +41,7 @@ def _launch_torchrun(args) -> int | None:
 
 def config_from_args(args, cls=None):
     "The validated config that a subcommand's parsed `args` describe (`cls`: its config class; default TrainConfig)."
-    from tunebook.train import TrainConfig
+    from tunebook.config import TrainConfig
     cls = cls or TrainConfig
     opts = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
     if opts.get("max_grad_norm") == 0: opts["max_grad_norm"] = None
@@ -92,6 +56,7 @@ def _finetune(args) -> int:
     import os
     if "WORLD_SIZE" in os.environ: args.nproc = int(os.environ["WORLD_SIZE"])  # a torchrun child
     cfg = config_from_args(args)
+    if args.eval_tasks: _check_eval_tasks(args)   # a bad task name stops here, not after training
     if (rc := _launch_torchrun(args)) is not None: return rc
     t0 = time.perf_counter()
     trainer = Trainer(cfg)
@@ -109,31 +74,74 @@ def _finetune(args) -> int:
     say(f"  held-out exact match: {s['eval_accuracy_before']:.1%} -> {s['eval_accuracy_after']:.1%}")
     say(f"  {s['tokens_per_second']:.0f} tokens/s, peak memory {human_bytes(s['peak_memory_bytes'])} "
           f"({s['peak_memory_measured_by']}), {time.perf_counter() - t0:.0f} s in all")
-    say(f"  wrote {cfg.output_dir}/: config.json log.txt samples.jsonl metrics.csv loss.png model/ summary.json"
+    if args.eval_tasks and trainer.is_main:
+        scores = _lm_eval_run(cfg, args)
+        for when in ("before", "after"):
+            for task, r in scores.get(f"lm_eval_{when}", {}).items(): say(f"  lm_eval {when}: {task} {r}")
+    say(f"  wrote {cfg.output_dir}/: config.yaml config.json log.txt samples.jsonl metrics.csv loss.png model/ summary.json"
           + (" adapter/" if cfg.method != "full" else ""))
     return 0
 
+# %% ../nbs/14_cli.ipynb #21c963d6
+def _eval_flags(parser: argparse.ArgumentParser) -> None:
+    "finetune's --eval-tasks: lm-evaluation-harness scores of the base and the trained model, into summary.json."
+    g = parser.add_argument_group("lm-evaluation-harness after training (tunebook eval)")
+    g.add_argument("--eval-tasks", default=None, metavar="A,B,...",
+                   help="score the base model and the trained one on these lm_eval tasks; summary.json gets lm_eval_before / lm_eval_after")
+    g.add_argument("--eval-include-path", default=None, metavar="DIR", help="a folder of your own lm_eval task YAML files")
+    g.add_argument("--eval-limit", type=float, default=None, metavar="N", help="examples per task (a fraction if < 1; default: all)")
+
+def _check_eval_tasks(args) -> None:
+    "Refuse unknown lm_eval task names (or a missing lm_eval) before any training."
+    from tunebook.lmeval import _need_lm_eval
+    _need_lm_eval()
+    from lm_eval.tasks import TaskManager
+    if args.eval_include_path is not None and not os.path.isdir(args.eval_include_path):
+        raise FileNotFoundError(f"--eval-include-path {args.eval_include_path!r} is not a folder of task YAML files")
+    tm = TaskManager(include_path=args.eval_include_path)
+    unknown = [t for t in args.eval_tasks.split(",") if t and t not in tm.all_tasks]
+    if unknown: raise ValueError(f"--eval-tasks: unknown lm_eval task(s) {', '.join(unknown)}; check the names, or give --eval-include-path")
+
+def _lm_eval_run(cfg, args) -> dict:
+    "lm_eval scores of the base model and the run folder's model, added to the run's summary.json (atomically); the added keys."
+    from pathlib import Path
+    from tunebook.lmeval import run_eval
+    from tunebook.train import resolve_name
+    limit = None if args.eval_limit is None else (args.eval_limit if args.eval_limit < 1 else int(args.eval_limit))
+    def scores(model) -> dict:
+        out = run_eval(str(model), args.eval_tasks, include_path=args.eval_include_path, limit=limit)
+        return {t: {k: v for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)} for t, r in out["results"].items()}
+    base = resolve_name(cfg.model, cfg.revision)
+    if base == "embedded":
+        from tunebook.embedded import EMBEDDED_DIR
+        base = EMBEDDED_DIR
+    added = dict(lm_eval_tasks=args.eval_tasks)
+    if Path(str(base)).is_dir(): added["lm_eval_before"] = scores(base)   # a builder name has random weights: nothing to score before
+    added["lm_eval_after"] = scores(cfg.output_dir)
+    path = Path(cfg.output_dir) / "summary.json"
+    summary = {**json.loads(path.read_text()), **added}
+    tmp = path.with_name(".summary.json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2, default=str))
+    os.replace(tmp, path)
+    return added
+
 # %% ../nbs/14_cli.ipynb #85736e93
 def _estimate(args) -> int:
+    from tunebook.config.commands import EstimateConfig
     from tunebook.memory import estimate
-    bad = [f"--{k.replace('_', '-')} {getattr(args, k)} must be >= {low}" for k, low in
-           (("batch_size", 1), ("seq_len", 1), ("lora_rank", 1), ("nproc", 1), ("chunked_ce", 0)) if getattr(args, k) < low]
-    if bad: raise ValueError("; ".join(bad))
-    model = args.model
+    cfg = config_from_args(args, EstimateConfig)
+    model = cfg.model
     if model == "embedded":
         from tunebook.embedded import EMBEDDED_DIR
         model = str(EMBEDDED_DIR)
-    r = estimate(model, method=args.method, batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,
-                 chunked_ce=args.chunked_ce or None, activation_checkpointing=args.activation_checkpointing,
-                 activation_offloading=args.activation_offloading, optimizer_in_backward=args.optimizer_in_backward,
-                 measure=args.measure, lora_rank=args.lora_rank, nproc=args.nproc)
+    r = estimate(model, **cfg.estimate_kwargs())
     out = r.to_dict()
-    if args.nproc > 1:   # r.categories are one rank's bytes (tunebook.memory.fsdp_memory on the same model)
-        out.update(nproc=args.nproc, per_rank_categories=r.categories, per_rank_peak_bytes=sum(r.categories.values()))
+    if cfg.nproc > 1:   # r.categories are one rank's bytes (tunebook.memory.fsdp_memory on the same model)
+        out.update(nproc=cfg.nproc, per_rank_categories=r.categories, per_rank_peak_bytes=sum(r.categories.values()))
     if args.json:
         print(json.dumps(out, indent=2, default=str)); return 0
-    ranks = f", per rank over {args.nproc} processes" if args.nproc > 1 else ""
-    print(f"{args.model}, {args.method}, batch {args.batch_size} x {args.seq_len}, {args.dtype}{ranks}: peak {human_bytes(r.peak_bytes)} "
+    ranks = f", per rank over {cfg.nproc} processes" if cfg.nproc > 1 else ""
+    print(f"{cfg.model}, {cfg.method}, batch {cfg.batch_size} x {cfg.max_seq_len}, {cfg.dtype}{ranks}: peak {human_bytes(r.peak_bytes)} "
           f"(in {r.peak_phase}); {r.how}")
     for k, v in r.categories.items():
         if v: print(f"  {k:14s} {human_bytes(v):>12s}")
@@ -142,34 +150,23 @@ def _estimate(args) -> int:
     return 0
 
 def _estimate_parser(sub):
+    from tunebook.config.commands import EstimateConfig
     e = sub.add_parser("estimate", help="memory of one training step, on fake tensors",
                        description="Estimate the memory of one full training step without allocating it.")
-    e.add_argument("--model", default="llama3.1-8b", help="a builder name (llama3.1-70b, ...), 'embedded', or a folder with config.json")
-    e.add_argument("--method", default="full", choices=["full", "lora", "qlora"])
-    e.add_argument("--batch-size", type=int, default=1)
-    e.add_argument("--seq-len", type=int, default=2048)
-    e.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    e.add_argument("--chunked-ce", type=int, default=0, metavar="N", help="chunked cross-entropy with N chunks (0: off)")
-    e.add_argument("--activation-checkpointing", action="store_true")
-    e.add_argument("--activation-offloading", action="store_true")
-    e.add_argument("--optimizer-in-backward", action="store_true")
-    e.add_argument("--lora-rank", type=int, default=8)
-    e.add_argument("--nproc", type=int, default=1, help="FSDP ranks: report memory per rank")
-    e.add_argument("--measure", action="store_true", help="also run the step for real and print the error")
+    add_dataclass_args(e, EstimateConfig)
+    add_config_flag(e, "estimate", EstimateConfig)
     e.add_argument("--json", action="store_true", help="print JSON (peak_bytes, categories, ...)")
     e.set_defaults(func=_estimate)
 
 # %% ../nbs/14_cli.ipynb #8d1ecd5b
 def _compare(args) -> int:
-    from tunebook.train import TrainConfig
+    from tunebook.config.commands import CompareConfig
     from tunebook.live import COMBOS, compare_techniques   # not widgets: no ipywidgets import
-    names = [c.strip() for c in args.combos.split(",")] if args.combos else list(COMBOS)
+    cfg = config_from_args(args, CompareConfig)
+    names = [c.strip() for c in cfg.combos.split(",")] if cfg.combos else list(COMBOS)
     unknown = [n for n in names if n not in COMBOS]
     if unknown: raise ValueError(f"unknown combination(s) {unknown}; known: {', '.join(COMBOS)}")
-    if args.steps < 1: raise ValueError(f"--steps {args.steps}: measure at least 1 step per combination")
-    base = TrainConfig(model=args.model, method=args.method, batch_size=args.batch_size, max_seq_len=args.seq_len,
-                       packing=True, eval_samples=0, output_dir=args.output_dir).validate()   # bad sizes stop here
-    df = compare_techniques(base, names, steps=args.steps)
+    df = compare_techniques(cfg.base_config(), names, steps=cfg.steps)   # bad sizes stop in base_config
     if "error" in df: df["error"] = df["error"].map(lambda e: " ".join(str(e).split()) if isinstance(e, str) else e)
     cols = [c for c in ("combination", "tokens_per_s", "peak_bytes", "final_loss", "error") if c in df]
     print(df[cols].to_string(index=False))
@@ -181,48 +178,46 @@ def _compare(args) -> int:
     return 0
 
 def _compare_parser(sub):
+    from tunebook.config.commands import CompareConfig
     c = sub.add_parser("compare", help="peak memory and tokens/s of technique combinations",
                        description="Train a few steps per combination of memory techniques and compare.")
-    c.add_argument("--model", default="embedded")
-    c.add_argument("--method", default="full", choices=["full", "lora", "dora", "qlora"])
-    c.add_argument("--combos", default=None, help="comma-separated names (default: all)")
-    c.add_argument("--steps", type=int, default=3)
-    c.add_argument("--batch-size", type=int, default=8)
-    c.add_argument("--seq-len", type=int, default=256)
-    c.add_argument("--output-dir", default="runs/compare")
-    c.add_argument("--json", default=None, metavar="FILE")
+    add_dataclass_args(c, CompareConfig)
+    add_config_flag(c, "compare", CompareConfig)
+    c.add_argument("--json", default=None, metavar="FILE", help="also write the table as JSON records to FILE")
     c.set_defaults(func=_compare)
 
 # %% ../nbs/14_cli.ipynb #5286dc25
-def _rl_command(module: str, config: str, runner: str):
+def _rl_command(module: str, runner: str, cls):
     def run(args) -> int:
         import importlib
-        mod = importlib.import_module(f"tunebook.{module}")
-        cfg = config_from_args(args, getattr(mod, config))   # every problem before any work
-        summary = getattr(mod, runner)(progress=not args.quiet, **dataclasses.asdict(cfg))
-        print(json.dumps(summary, indent=2, default=str))
+        if "WORLD_SIZE" in os.environ: args.nproc = int(os.environ["WORLD_SIZE"])  # a torchrun child
+        cfg = config_from_args(args, cls)   # every problem before any work
+        if (rc := _launch_torchrun(args)) is not None: return rc
+        summary = getattr(importlib.import_module(f"tunebook.{module}"), runner)(progress=not args.quiet, **dataclasses.asdict(cfg))
+        if int(os.environ.get("RANK", "0")) == 0: print(json.dumps(summary, indent=2, default=str))
         return 0
     return run
 
 def _rl_parsers(sub):
-    from tunebook.distill import DistillConfig
-    from tunebook.dpo import DPOConfig
-    from tunebook.grpo import GRPOConfig
-    for name, cls, module, runner, text in (
-            ("dpo", DPOConfig, "dpo", "run_dpo", "direct preference optimisation (chosen/rejected pairs)"),
-            ("distill", DistillConfig, "distill", "run_distill", "knowledge distillation with a chunked KL"),
-            ("grpo", GRPOConfig, "grpo", "run_grpo", "GRPO with a verifier; --async runs generators beside the learner")):
+    from tunebook.config.commands import config_class
+    for name, module, runner, text in (
+            ("dpo", "dpo", "run_dpo", "preference optimisation on chosen/rejected pairs (DPO and its variants)"),
+            ("distill", "distill", "run_distill", "knowledge distillation with a chunked KL"),
+            ("grpo", "grpo", "run_grpo", "GRPO with a verifier; --async runs generators beside the learner")):
+        cls = config_class(name)
         p = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
-        add_dataclass_args(p, cls, skip=("async_mode", "nproc"))
+        add_dataclass_args(p, cls, skip=("async_mode",))
+        add_config_flag(p, name, cls)
         if name == "grpo": p.add_argument("--async", dest="async_mode", action="store_true", help="asynchronous generators and learner")
         p.add_argument("--quiet", action="store_true", help="no progress bar")
-        p.set_defaults(func=_rl_command(module, cls.__name__, runner))
+        p.set_defaults(func=_rl_command(module, runner, cls))
 
 # %% ../nbs/14_cli.ipynb #c7cb57ad
 PASSTHROUGH = {   # subcommands whose own parser lives beside their code: the rest of argv goes there unchanged
     "generate": ("tunebook.chat", "generate_main", "answer one prompt with a model or run folder, streaming it"),
     "chat": ("tunebook.chat", "chat_main", "chat with a model or run folder in the terminal"),
-    "eval": ("tunebook.lmeval", "eval_main", "score a model or run folder with lm-evaluation-harness (--tasks a,b)")}
+    "eval": ("tunebook.lmeval", "eval_main", "score a model or run folder with lm-evaluation-harness (--tasks a,b)"),
+    "config": ("tunebook.recipes", "config_main", "recipes: list, show NAME (resolved), cp NAME FILE")}
 
 def _passthrough(name: str, argv: list[str]) -> int:
     "Run subcommand `name`'s own main on `argv` (everything after the subcommand)."
@@ -231,22 +226,35 @@ def _passthrough(name: str, argv: list[str]) -> int:
     return getattr(importlib.import_module(module), fn)(argv) or 0
 
 def build_parser() -> argparse.ArgumentParser:
-    "The `tunebook` argument parser with one subcommand per job."
-    from tunebook.train import TrainConfig
+    "The `tunebook` argument parser with one subcommand per job; `parser.subcommands` maps each name to its parser."
+    from tunebook.config import TrainConfig
     p = argparse.ArgumentParser(prog="tunebook", description="Jupyter-first LLM post-training in plain PyTorch.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     ft = sub.add_parser("finetune", help="supervised fine-tuning (full, LoRA, DoRA, QLoRA)",
                         description="Fine-tune a model. With no options: the embedded default run.")
     add_dataclass_args(ft, TrainConfig)
+    add_config_flag(ft, "finetune", TrainConfig)
     ft.add_argument("--quantize-base", action="store_true", help="QLoRA: store the frozen base in NF4 (same as --method qlora)")
     ft.add_argument("--quiet", action="store_true", help="no progress bar")
+    _eval_flags(ft)
     ft.set_defaults(func=_finetune)
     _estimate_parser(sub)
     _compare_parser(sub)
     _rl_parsers(sub)
     for name, (_, _, text) in PASSTHROUGH.items():   # listed by `tunebook --help`; main hands them their argv
         sub.add_parser(name, help=text, add_help=False).add_argument("rest", nargs=argparse.REMAINDER)
+    p.subcommands = sub.choices
     return p
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    "Parse `argv`; with --config FILE, the file's options become the defaults and the flags given win over them."
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):
+        from tunebook.config.files import read_yaml
+        values = read_yaml(args.config, args.config_class, args.command)   # unknown keys, wrong types: named with their line
+        parser.subcommands[args.command].set_defaults(**values)
+        args = parser.parse_args(argv)
+    return args
 
 def main(argv=None) -> int:
     "Run the `tunebook` command line."
@@ -254,12 +262,13 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in PASSTHROUGH: return _passthrough(argv[0], argv[1:])
     args = parser.parse_args(argv)
-    args.argv = argv
     if not getattr(args, "func", None):
         parser.print_help(); return 2
     from tunebook.hub import HubError
     from tunebook.rundir import RunError
     try:
+        args = _parse(parser, argv)
+        args.argv = argv
         return args.func(args) or 0
     except (ValueError, OSError, KeyError, RunError, HubError) as e:   # a bad file, folder, option, data or checkpoint; a run's fault
         print(f"tunebook {args.command}: error: {one_line(e)}", file=sys.stderr)

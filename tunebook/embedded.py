@@ -20,11 +20,13 @@ from .loss import ChunkedCrossEntropy
 from .model import ModelConfig, Transformer, build_model
 from .optim import warmup_cosine
 from .tokenizer import Tokenizer, load_tokenizer, train_tokenizer
+from .train import Objective, TrainConfig, Trainer, lm_loss_sum, to_device
+from types import SimpleNamespace
 
 # %% auto #0
 __all__ = ['EMBEDDED_DIR', 'PRETRAIN_TASKS', 'FINETUNE_TASK', 'HELD_OUT_TASKS', 'MAX_ASSET_BYTES', 'SPECIAL_TOKENS',
            'CHAT_TEMPLATE', 'ASSET_SHA256', 'FINETUNE_RECIPE', 'task_texts', 'make_tokenizer', 'chat_prompt',
-           'embedded_config', 'pretrain_data', 'fit', 'task_accuracy', 'make_embedded', 'folder_sha256',
+           'embedded_config', 'pretrain_data', 'Pretrain', 'fit', 'task_accuracy', 'make_embedded', 'folder_sha256',
            'load_embedded']
 
 # %% ../nbs/90_embedded.ipynb #8287c0a7
@@ -74,6 +76,28 @@ def pretrain_data(tok: Tokenizer, tasks=PRETRAIN_TASKS, n_per_task: int = 6000, 
     return pack(sft, seq_len)
 
 # %% ../nbs/90_embedded.ipynb #bbd4c887
+class Pretrain(Objective):
+    "Next-token loss on the batches a loader yields, in its order (restarted when exhausted): pretraining."
+    name, needs_tokenizer = "pretrain", False
+    def __init__(self, loader): self.loader, self._it, self._next = loader, None, 0
+    def prepare_data(self, tr):
+        tr.rows = self.loader.dataset
+        self._trains = [p.requires_grad for p in tr.model.parameters()]   # what the caller left trainable (a LoRA model...)
+    def prepare_model(self, tr):   # after the method: train exactly those
+        for p, on in zip(tr.model.parameters(), self._trains): p.requires_grad_(on)
+    def n_batches(self, tr): return None   # an endless source
+    def batch(self, tr, g):
+        if g != self._next: raise ValueError(f"Pretrain yields its loader's batches in order: batch {g} was asked for, {self._next} is next.")
+        b = next(self._it, None) if self._it is not None else None
+        if b is None:
+            self._it = iter(self.loader)
+            b = next(self._it, None)
+            if b is None: raise ValueError("the loader yields no batch: too little data for its batch size (and drop_last).")
+        self._next += 1
+        return to_device(b, tr.model.embed_tokens.weight.device)
+    def loss(self, tr, b): return lm_loss_sum(tr.model, b, tr.loss_fn), {}
+    def optimizer_options(self, tr): return dict(betas=(0.9, 0.95))
+
 def fit(model: Transformer, loader,      # yields batch dicts (`make_loader`); restarted when exhausted
         steps: int, lr: float = 3e-3, warmup: int = 50,
         weight_decay: float = 0.1,        # on matrices only, not on norms
@@ -81,30 +105,18 @@ def fit(model: Transformer, loader,      # yields batch dicts (`make_loader`); r
         max_grad_norm: float | None = 1.0,
         log_every: int = 0,               # print the mean loss every this many steps (0: silent)
        ) -> list[float]:                  # the loss of every step
-    "Train the parameters of `model` that require grad for `steps` steps with AdamW and a warmup-cosine schedule."
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(warmup, steps, min_lr_ratio))
-    loss_fn, losses, batches, t0 = ChunkedCrossEntropy(num_chunks=1), [], iter(loader), time.time()
-    model.train()
-    while len(losses) < steps:
-        try: b = next(batches)
-        except StopIteration:
-            batches = iter(loader)
-            b = next(batches, None)
-            if b is None: raise ValueError("the loader yields no batch: too little data for its batch size (and drop_last).")
-        h = model(b["tokens"], positions=b.get("positions"), attn_mask=b.get("attn_mask"), doc_ids=b.get("doc_ids"),
-                  return_hidden=True)                                  # (B, T, dim)
-        loss = loss_fn(h, model.output_weight, b["labels"])
-        loss.backward()
-        if max_grad_norm: torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-        opt.step(); opt.zero_grad(set_to_none=True); sched.step()
-        losses.append(loss.item())
+    "Train the parameters of `model` that require grad for `steps` steps: `Trainer.train_step` on `Pretrain(loader)`."
+    cfg = TrainConfig(method="full", dtype="fp32", device=str(model.embed_tokens.weight.device), max_steps=steps, lr=lr,
+                      warmup_steps=warmup, weight_decay=weight_decay, min_lr_ratio=min_lr_ratio, max_grad_norm=max_grad_norm,
+                      schedule="cosine", chunked_ce=1, batch_size=loader.batch_size, eval_samples=0)
+    losses, t0 = [], time.time()
+    def show(tr, row):
+        losses.append(row["loss"])
         if log_every and (len(losses) % log_every == 0 or len(losses) == steps):
             print(f"step {len(losses)}/{steps}  loss {sum(losses[-log_every:]) / len(losses[-log_every:]):.4f}  "
-                  f"lr {sched.get_last_lr()[0]:.2e}  {time.time() - t0:.0f}s", flush=True)
+                  f"lr {row['lr']:.2e}  {time.time() - t0:.0f}s", flush=True)
+    tr = Trainer(cfg, model=model, objective=Pretrain(loader), callbacks=[SimpleNamespace(on_step=show)]).setup()
+    while tr.step < steps: tr.train_step()
     model.eval()
     return losses
 

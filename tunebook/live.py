@@ -41,7 +41,8 @@ def trainer_for(config: TrainConfig) -> type:
     from tunebook.distill import DistillConfig, DistillTrainer   # imported when asked: `tunebook compare` needs none
     from tunebook.dpo import DPOConfig, DPOTrainer
     from tunebook.grpo import GRPOConfig, GRPOTrainer
-    for cfg, trainer in ((GRPOConfig, GRPOTrainer), (DPOConfig, DPOTrainer), (DistillConfig, DistillTrainer)):
+    from tunebook.kto import KTOConfig, KTOTrainer
+    for cfg, trainer in ((GRPOConfig, GRPOTrainer), (DPOConfig, DPOTrainer), (DistillConfig, DistillTrainer), (KTOConfig, KTOTrainer)):
         if isinstance(config, cfg): return trainer
     return Trainer
 

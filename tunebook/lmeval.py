@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .checkpoint import load_hf
-from .core import get_device, get_dtype
+from .core import get_device, get_dtype, patch
 from .generate import generate
 from .hub import HubError, resolve_model
 from .lora import load_adapter
@@ -98,27 +98,29 @@ class TunebookLM(TemplateLM):
         return self.tokenizer.decode(list(tokens), skip_special_tokens=skip_special_tokens)
 
 # %% ../nbs/15a_lmeval.ipynb #d7fa7b9b
-@torch.no_grad()
+@patch
 def _loglikelihood_tokens(self: TunebookLM, requests, disable_tqdm: bool = False, override_bs=None) -> list[tuple[float, bool]]:
     "(sum of log-probs, is greedy) of each continuation given its context, batched longest first."
-    order = Collator(requests, sort_fn=lambda r: (-len(r[1] + r[2]), tuple(r[1] + r[2])))
-    res, L = [], self.max_length
-    for chunk in order.get_batched(n=override_bs or self.batch_size):
-        inps = [(ctx + cont)[-(L + 1):][:-1] for _, ctx, cont in chunk]
-        T = max(len(x) for x in inps)
-        toks = torch.full((len(inps), T), self.tokenizer.pad_id or 0, dtype=torch.long, device=self.device)
-        for i, x in enumerate(inps): toks[i, :len(x)] = torch.tensor(x)
-        logp = F.log_softmax(self.model(toks).float(), -1)
-        for i, (key, _, cont) in enumerate(chunk):
-            n = len(cont)
-            lp = logp[i, len(inps[i]) - n:len(inps[i])]
-            target = torch.tensor(cont, device=self.device)
-            answer = (float(lp.gather(-1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all()))
-            if key is not None: self.cache_hook.add_partial("loglikelihood", key, answer)
-            res.append(answer)
-    return order.get_original(res)
+    with torch.no_grad():
+        order = Collator(requests, sort_fn=lambda r: (-len(r[1] + r[2]), tuple(r[1] + r[2])))
+        res, L = [], self.max_length
+        for chunk in order.get_batched(n=override_bs or self.batch_size):
+            inps = [(ctx + cont)[-(L + 1):][:-1] for _, ctx, cont in chunk]
+            T = max(len(x) for x in inps)
+            toks = torch.full((len(inps), T), self.tokenizer.pad_id or 0, dtype=torch.long, device=self.device)
+            for i, x in enumerate(inps): toks[i, :len(x)] = torch.tensor(x)
+            logp = F.log_softmax(self.model(toks).float(), -1)
+            for i, (key, _, cont) in enumerate(chunk):
+                n = len(cont)
+                lp = logp[i, len(inps[i]) - n:len(inps[i])]
+                target = torch.tensor(cont, device=self.device)
+                answer = (float(lp.gather(-1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all()))
+                if key is not None: self.cache_hook.add_partial("loglikelihood", key, answer)
+                res.append(answer)
+        return order.get_original(res)
 
-def _loglikelihood_rolling(self: TunebookLM, requests, disable_tqdm: bool = False) -> list[float]:
+@patch
+def loglikelihood_rolling(self: TunebookLM, requests, disable_tqdm: bool = False) -> list[float]:
     "Log-likelihood of each whole text, scored in disjoint windows of `max_length` (lm_eval's windowing)."
     out = []
     for (text,) in [r.args for r in requests]:
@@ -129,9 +131,8 @@ def _loglikelihood_rolling(self: TunebookLM, requests, disable_tqdm: bool = Fals
         out.append(total)
     return out
 
-TunebookLM._loglikelihood_tokens, TunebookLM.loglikelihood_rolling = _loglikelihood_tokens, _loglikelihood_rolling
-
 # %% ../nbs/15a_lmeval.ipynb #c0bbbefa
+@patch
 def _generate_rows(self: TunebookLM, prompts: list[list[int]], max_new: int, until: list[str], temperature: float) -> list[list[int]]:
     "New tokens of each prompt: up to `max_new`, ending early at eos or once a stop string appears."
     out, live = [[] for _ in prompts], list(range(len(prompts)))
@@ -147,7 +148,8 @@ def _generate_rows(self: TunebookLM, prompts: list[list[int]], max_new: int, unt
         live = nxt
     return out
 
-def _generate_until(self: TunebookLM, requests, disable_tqdm: bool = False) -> list[str]:
+@patch
+def generate_until(self: TunebookLM, requests, disable_tqdm: bool = False) -> list[str]:
     "Continue each context until a stop string, eos or `max_gen_toks`; the text before the first stop string."
     order = Collator([r.args for r in requests], sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]),
                      group_by="gen_kwargs", group_fn=lambda r: r[1])
@@ -166,7 +168,6 @@ def _generate_until(self: TunebookLM, requests, disable_tqdm: bool = False) -> l
             res.append(s)
     return order.get_original(res)
 
-TunebookLM._generate_rows, TunebookLM.generate_until = _generate_rows, _generate_until
 if _LM_EVAL_ERROR is None: abc.update_abstractmethods(TunebookLM)  # the methods above fill its abstract ones
 if _LM_EVAL_ERROR is None: model_registry.register("tunebook", target="tunebook.lmeval:TunebookLM")
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 # %% auto #0
-__all__ = ['num_loss_tokens', 'cross_entropy_loss', 'ChunkedCrossEntropy']
+__all__ = ['DW_FP32_ROWS', 'num_loss_tokens', 'cross_entropy_loss', 'ChunkedCrossEntropy']
 
 # %% ../nbs/07_loss.ipynb #e0cdf040
 def num_loss_tokens(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -49,6 +49,12 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 def _no_autocast(device_type: str):
     "Autocast off inside the passes (inputs are cast explicitly, once); a no-op when it is off already."
     return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else contextlib.nullcontext()
+
+DW_FP32_ROWS = 512   # CPU: below this many rows per chunk, dW's (V, D) write dominates its bf16 matmul
+
+def _dw_in_fp32(h: torch.Tensor) -> bool:
+    "Accumulate a low-precision chunk's dW with one fp32 `addmm_` (exact products of its bf16 values, no temporary)?"
+    return h.device.type == "cpu" and h.shape[0] < DW_FP32_ROWS
 
 class _ChunkedLinearCE(torch.autograd.Function):
     "Sum (or mean) of cross-entropy over `hidden @ weight.T`, a chunk of the flattened tokens at a time, both passes."
@@ -99,10 +105,12 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 dz.mul_(keep * scale)
                 if t_ is not None: dz.mul_(t_.square_().neg_().add_(1))
                 del z, t_
+                if need_w and (cdt == acc or _dw_in_fp32(h)):     # one fp32 addmm in place: no (V, D) temporary
+                    grad_w.addmm_(dz.t(), h.to(acc)); dw_done = True
+                else: dw_done = False
                 dz = dz.to(cdt)
                 if need_h: gh[start:start + n] = dz @ w          # (n, D), 2-D
-                if need_w and dz.dtype == acc: grad_w.addmm_(dz.t(), h)
-                elif need_w: grad_w.add_(dz.t() @ h)             # bf16 matmul, summed in fp32 (no cast copy)
+                if need_w and not dw_done: grad_w.add_(dz.t() @ h)   # many rows: a bf16 matmul, summed in fp32
                 del dz
                 start += n
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None

@@ -19,8 +19,8 @@ from ..optim import SCHEDULES
 from ..records import FORMATS
 
 # %% auto #0
-__all__ = ['Part', 'ModelPart', 'SourcePart', 'SFTDataPart', 'DataPart', 'AdapterPart', 'OptimPart', 'MemoryPart', 'RunPart',
-           'TrainConfig']
+__all__ = ['Part', 'ModelPart', 'SourcePart', 'SFTDataPart', 'DataPart', 'AdapterPart', 'BatchPart', 'StepPart', 'OptimPart',
+           'MemoryPart', 'RunPart', 'TrainConfig']
 
 # %% ../../nbs/11b_config.ipynb #fba7b1a2
 class Part:
@@ -63,7 +63,7 @@ class Part:
 @dataclass
 class ModelPart(Part):
     "The model: what to load, its revision, precision, device and seed."
-    model: str = "embedded"              # "embedded", a builder name (random weights), or a Hugging Face folder
+    model: str = "embedded"              # "embedded", a builder name (random weights), a Hugging Face folder, or a hub name ORG/NAME
     tokenizer: str | None = None         # tokenizer folder; default: the model folder
     revision: str | None = None          # hub names (ORG/NAME): the branch, tag or commit; None: main
     dtype: str = "fp32"                  # fp32, bf16, bf16-mixed (fp32 weights, bf16 autocast), fp16-mixed (CUDA) or auto (bf16-mixed where bf16 is fast, else fp32)
@@ -93,11 +93,11 @@ class SourcePart(Part):
     system_prompt: str | None = None     # a system turn put before every prompt
     chat_template: bool = True           # render with the tokenizer's chat template when it has one; --no-chat-template: the plain layout
     eval_fraction: float = 0.05          # data file: share of rows held out for eval (at most eval_samples)
-    max_seq_len: int = 64                # tokens per training row (longer rows are cut)
+    max_seq_len: int | None = 64         # tokens per training row (longer rows are cut); None: from the data (the longest row, capped by the model's context)
 
     def problems(self) -> list[str]:
         bad, o = [], self.opt
-        if self.max_seq_len < 1: bad.append(f"{o('max_seq_len')} must be >= 1")
+        if self.max_seq_len is not None and self.max_seq_len < 1: bad.append(f"{o('max_seq_len')} must be >= 1")
         if not 0 <= self.eval_fraction < 1: bad.append(f"{o('eval_fraction')} must be in [0, 1)")
         return bad + super().problems()
 
@@ -150,10 +150,18 @@ class AdapterPart(Part):
 
 # %% ../../nbs/11b_config.ipynb #0c528f48
 @dataclass
-class OptimPart(Part):
-    "Optimisation: steps, batch, accumulation, AdamW, schedule and clipping."
-    max_steps: int = 500                 # optimizer steps
+class BatchPart(Part):
+    "The batch: rows per optimizer step."
     batch_size: int = 32                 # rows per optimizer step (split over grad_accum_steps micro-batches and nproc processes)
+
+    def problems(self) -> list[str]:
+        bad = [f"{self.opt('batch_size')} must be >= 1"] if self.batch_size < 1 else []
+        return bad + super().problems()
+
+@dataclass
+class StepPart(Part):
+    "Optimizer steps: how many, accumulation, AdamW, schedule and clipping."
+    max_steps: int = 500                 # optimizer steps
     grad_accum_steps: int = 1            # micro-batches accumulated into each optimizer step
     lr: float = 5e-3                     # AdamW's peak learning rate
     weight_decay: float = 0.0            # AdamW's decoupled weight decay
@@ -164,7 +172,7 @@ class OptimPart(Part):
 
     def problems(self) -> list[str]:
         bad, o = [], self.opt
-        for k in ("max_steps", "batch_size", "grad_accum_steps"):
+        for k in ("max_steps", "grad_accum_steps"):
             if getattr(self, k) < 1: bad.append(f"{o(k)} must be >= 1")
         for k, zero in (("warmup_steps", "no warmup"), ("weight_decay", "none")):
             if getattr(self, k) < 0: bad.append(f"{o(k)} must be >= 0 (0 = {zero})")
@@ -176,6 +184,10 @@ class OptimPart(Part):
         if self.min_lr_ratio and self.schedule == "constant":
             bad.append(f"{o('min_lr_ratio')} applies to a decaying schedule, and schedule is 'constant': set --schedule cosine or linear")
         return bad + super().problems()
+
+@dataclass
+class OptimPart(BatchPart, StepPart):
+    "Optimisation of a run that learns from batches of rows: the batch and the steps (GRPO takes `StepPart` alone)."
 
 # %% ../../nbs/11b_config.ipynb #09fb4e8f
 @dataclass
@@ -209,7 +221,7 @@ class RunPart(Part):
     "The run: eval, logging, checkpoints, output folder, trackers, resume."
     eval_samples: int = 200              # held-out prompts scored by exact match
     eval_every: int = 0                  # 0: before and after training only
-    max_new_tokens: int = 16             # eval: tokens generated per held-out prompt
+    max_new_tokens: int | None = 16      # eval: tokens generated per held-out prompt; None: from the longest held-out answer
     log_every: int = 10                  # steps between log lines (metrics.csv gets every step)
     save_every: int = 0                  # 0: only at the end
     output_dir: str = "runs/finetune"    # the run folder: config, metrics, checkpoints, model
@@ -222,7 +234,7 @@ class RunPart(Part):
         if unknown := [n for n in names if n != "csv" and n not in LOGGERS]:
             bad.append(f"loggers={self.loggers!r} (--logger): unknown {', '.join(unknown)}; use csv, {', '.join(LOGGERS)} (comma-separated)")
         for k in ("log_every", "max_new_tokens"):
-            if getattr(self, k) < 1: bad.append(f"{o(k)} must be >= 1")
+            if getattr(self, k) is not None and getattr(self, k) < 1: bad.append(f"{o(k)} must be >= 1")
         for k, zero in (("save_every", "only at the end"), ("eval_every", "before and after only"), ("eval_samples", "no eval")):
             if getattr(self, k) < 0: bad.append(f"{o(k)} must be >= 0 (0 = {zero})")
         return bad + super().problems()

@@ -5,8 +5,9 @@
 # %% auto #0
 __all__ = []
 
-# %% ../../nbs/12b_grpo.ipynb #655cf01d
+# %% ../../nbs/12b_grpo.ipynb #b9e78dd0
 from .rollout import *
 from .loss import *
 from .workers import *
-from .trainer import *
+from .config import *
+from .objective import *
