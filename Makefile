@@ -44,7 +44,7 @@ notebooks: install
 pytest: install bench-env
 	TUNEBOOK_BENCH_PY=$(abspath $(BENCHPY)) $(PY) -m pytest -q tests
 
-test: check notebooks pytest
+test: check notebooks pytest pytest-vllm
 
 bench: install
 	$(PY) bench/run_all.py
@@ -75,5 +75,6 @@ $(VLLMVENV)/.installed: settings.ini setup.py
 	$(VLLMPY) -m pip install -q -e . pytest gguf
 	touch $@
 
+# every test file that needs vLLM (test_vllm.py, test_grpo_vllm.py); they skip themselves in the main venv
 pytest-vllm: vllm-env
-	OMP_NUM_THREADS=1 $(VLLMPY) -m pytest -q tests/test_vllm.py
+	OMP_NUM_THREADS=1 $(VLLMPY) -m pytest -q $(wildcard tests/test_*vllm*.py)

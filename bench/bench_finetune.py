@@ -41,18 +41,19 @@ RUNS = {"tunebook": TunebookRun, "torchtune": TorchtuneRun, "transformers+peft":
 SHORT = {"tb": "tunebook", "tt": "torchtune", "hf": "transformers+peft"}
 DEFAULT = {"lora": "tb:fp32,tb:bf16,tb:amp,tt:fp32,tt:bf16,hf:fp32,hf:amp",
            "full": "tb:fp32,tb:bf16,tb:amp,tt:bf16,hf:amp"}  # full: the fastest peers only (RAM: all live at once)
-TOL = {"fp32": 1e-3, "bf16": 3e-2, "amp": 3e-2}
+TOL = {"fp32": 1e-3, "bf16": 3e-2, "amp": 3e-2, "bf16-mixed": 3e-2}
 
 
 def parse_configs(s):
     out = []
     for item in s.split(","):
         fw, _, prec = item.partition(":")
+        prec, plus, comp = prec.partition("+")
         fw = SHORT.get(fw, fw)
-        if fw not in RUNS or prec not in TOL:
-            raise SystemExit(f"bad configuration {item!r}: use framework:precision with framework in {list(SHORT)} "
+        if fw not in RUNS or prec not in TOL or (plus and comp != "compile"):
+            raise SystemExit(f"bad configuration {item!r}: use framework:precision[+compile] with framework in {list(SHORT)} "
                              f"and precision in {list(TOL)}")
-        out.append((fw, prec))
+        out.append((fw, prec + plus + comp))
     return out
 
 
@@ -72,18 +73,20 @@ def bench_method(method, d, cfg, a, configs, batches, log):
     runs = {}
     for fw, prec in configs:
         torch.manual_seed(0)
-        runs[f"{fw}:{prec}"] = RUNS[fw](d, method, prec, "cpu", rank=a.rank, alpha=a.alpha, lr=a.lr)
+        p, _, comp = prec.partition("+")
+        runs[f"{fw}:{prec}"] = RUNS[fw](d, method, p, "cpu", rank=a.rank, alpha=a.alpha, lr=a.lr, compile=bool(comp))
     if method == "lora":
         ref = {k: v.detach().float().clone() for k, v in next(iter(runs.values())).lora_A().items()}
         copy_lora_A(ref, *runs.values())
     names = list(runs)
     times = {k: [] for k in names}
+    cpu = {k: [] for k in names}  # this process's CPU time: far less swayed by other programs on a shared machine
     losses = {k: [] for k in names}
     for i in range(a.warmup + a.steps):
         for k in names[i % len(names):] + names[:i % len(names)]:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             losses[k].append(float(runs[k].step(batches[i])))  # .item() inside the timed step, as a training loop logs
-            times[k].append(time.perf_counter() - t0)
+            times[k].append(time.perf_counter() - t0); cpu[k].append(time.process_time() - c0)
         log(f"  {method} round {i + 1}/{a.warmup + a.steps}: " + ", ".join(f"{k} {times[k][-1]:.2f}s" for k in names))
     peaks = {k: peak_cpu(r, batches[0]) for k, r in runs.items()}
     prof = {}
@@ -92,19 +95,23 @@ def bench_method(method, d, cfg, a, configs, batches, log):
             prof[k] = profile_step(runs[k], batches[0])
     ntok = a.batch * a.seq
     fl = train_flops_per_token(cfg, a.seq, method, a.rank) * ntok
+    fl_cpu = {k: fl / statistics.median(cpu[k][a.warmup:]) for k in names}
     res = {k: dict(tokens_per_s=ntok / statistics.median(times[k][a.warmup:]), median_step_s=statistics.median(times[k][a.warmup:]),
-                   step_s=[round(x, 4) for x in times[k]], losses=losses[k], peak_bytes=peaks[k],
-                   trainable_params=runs[k].n_trainable(), model_flops_per_s=fl / statistics.median(times[k][a.warmup:]))
+                   step_s=[round(x, 4) for x in times[k]], cpu_s=[round(x, 4) for x in cpu[k]],
+                   median_cpu_s=statistics.median(cpu[k][a.warmup:]), losses=losses[k], peak_bytes=peaks[k],
+                   trainable_params=runs[k].n_trainable(), model_flops_per_s=fl / statistics.median(times[k][a.warmup:]),
+                   model_flops_per_cpu_s=fl_cpu[k])
            for k in names}
     ref = "transformers+peft:fp32" if "transformers+peft:fp32" in res else names[0]
     for k in names:
         res[k]["loss_diff_vs_ref"] = res[k]["losses"][0] - res[ref]["losses"][0]
-        res[k]["loss_ok"] = abs(res[k]["loss_diff_vs_ref"]) <= TOL[k.split(":")[1]]
+        res[k]["loss_ok"] = abs(res[k]["loss_diff_vs_ref"]) <= TOL[k.split(":")[1].split("+")[0]]
     ratios = {}
     for t in [k for k in names if k.startswith("tunebook:")]:
         for p in [k for k in names if not k.startswith("tunebook:")]:
             ratios[f"{t} / {p}"] = dict(
                 tokens_per_s=statistics.median(b / a_ for a_, b in zip(times[t][a.warmup:], times[p][a.warmup:])),
+                tokens_per_cpu_s=statistics.median(b / a_ for a_, b in zip(cpu[t][a.warmup:], cpu[p][a.warmup:])),
                 peak_memory=res[t]["peak_bytes"] / res[p]["peak_bytes"])
     del runs
     return dict(frameworks=res, ratios=ratios, loss_reference=ref, profile=prof)
@@ -112,18 +119,20 @@ def bench_method(method, d, cfg, a, configs, batches, log):
 
 def print_method(method, r, a, peak):
     print(f"\n== {method}: {a.steps} timed rounds after {a.warmup} warm-up, batch {a.batch} x seq {a.seq} ==")
-    print(f"  {'configuration':24s} {'tokens/s':>9s} {'step s':>7s} {'peak MiB':>9s} {'trainable':>12s} "
-          f"{'loss@1':>9s} {'diff vs ' + r['loss_reference']:>32s} {'of bf16 peak':>12s}")
+    print(f"  {'configuration':30s} {'tokens/s':>9s} {'tok/CPU-s':>9s} {'step s':>7s} {'peak MiB':>9s} {'trainable':>11s} "
+          f"{'loss@1':>9s} {'diff vs ' + r['loss_reference']:>30s} {'of bf16 peak':>12s} {'(CPU time)':>10s}")
     for k, f in r["frameworks"].items():
-        print(f"  {k:24s} {f['tokens_per_s']:9.0f} {f['median_step_s']:7.2f} {f['peak_bytes'] / 2**20:9.0f} {f['trainable_params']:12,d} "
-              f"{f['losses'][0]:9.5f} {f['loss_diff_vs_ref']:+32.2e}{'' if f['loss_ok'] else ' MISMATCH'} "
-              f"{f['model_flops_per_s'] / peak:11.1%}")
+        print(f"  {k:30s} {f['tokens_per_s']:9.0f} {a.batch * a.seq / f['median_cpu_s']:9.0f} {f['median_step_s']:7.2f} "
+              f"{f['peak_bytes'] / 2**20:9.0f} {f['trainable_params']:11,d} {f['losses'][0]:9.5f} "
+              f"{f['loss_diff_vs_ref']:+30.2e}{'' if f['loss_ok'] else ' MISMATCH'} {f['model_flops_per_s'] / peak:11.1%} "
+              f"{f['model_flops_per_cpu_s'] / peak:10.1%}")
     peers = {k: v for k, v in r["frameworks"].items() if not k.startswith("tunebook:")}
-    fastest = max(peers, key=lambda k: peers[k]["tokens_per_s"])
-    print(f"  fastest peer configuration: {fastest}")
+    fastest = max(peers, key=lambda k: peers[k]["tokens_per_s"]) if peers else None
+    fastest_cpu = min(peers, key=lambda k: peers[k]["median_cpu_s"]) if peers else None
+    if peers: print(f"  fastest peer configuration: {fastest} (wall clock), {fastest_cpu} (CPU time)")
     for k, v in r["ratios"].items():
-        mark = "  <- vs fastest peer" if k.endswith(fastest) else ""
-        print(f"  ratio {k:48s} tokens/s {v['tokens_per_s']:.2f}x   peak memory {v['peak_memory']:.2f}x{mark}")
+        mark = "  <- vs fastest peer" if k.endswith(fastest_cpu) else ""
+        print(f"  ratio {k:56s} tokens/s {v['tokens_per_s']:.2f}x (CPU time {v['tokens_per_cpu_s']:.2f}x)   peak memory {v['peak_memory']:.2f}x{mark}")
     for k, (ops, total) in r["profile"].items():
         print(f"  profile of one {k} LoRA step ({total:.0f} ms of self CPU time), top operators:")
         for o in ops: print(f"    {o['op']:44s} {o['self_ms']:9.1f} ms {o['share']:6.1%} {o['calls']:6d} calls")

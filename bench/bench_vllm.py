@@ -113,6 +113,29 @@ def bench_model(name: str, args) -> dict:
     return res
 
 
+class _TimeBudget:
+    "Stop a GRPO run `seconds` after its first step ended (so the generator's start-up is outside the budget)."
+    def __init__(self, seconds): self.seconds, self.t0 = seconds, None
+    def on_step(self, trainer, row):
+        now = time.perf_counter()
+        if self.t0 is None: self.t0 = now
+        elif now - self.t0 >= self.seconds: trainer.stop()
+
+
+def bench_grpo(generator: str, async_mode: bool, args) -> dict:
+    "GRPO on the embedded model for a fixed training time with one generator backend; reward and samples/s."
+    import tempfile
+    from tunebook.grpo import GRPOConfig, GRPOTrainer
+    cfg = GRPOConfig(generator=generator, async_mode=async_mode, max_steps=100_000, eval_samples=args.grpo_eval,
+                     output_dir=tempfile.mkdtemp(prefix="bench-vllm-grpo-"))
+    t = GRPOTrainer(cfg, callbacks=[_TimeBudget(args.grpo_seconds)])
+    s = t.fit(progress=False)
+    return dict(generator=generator, async_mode=async_mode, steps=s["steps"], samples=s["samples"],
+                samples_per_second=s.get("samples_per_second") or float("nan"), reward_before=s["eval_reward_before"],
+                reward_after=s["eval_reward_after"], startup_s=s.get("generator_startup_seconds"),
+                dropped_stale=s.get("dropped_stale"))
+
+
 def report(r: dict):
     print(f"\n== {r['model']} ({r['folder']}), vLLM {r['dtype']}, {r['prompts']} prompts x {r['group_size']} samples x "
           f"<= {r['max_new_tokens']} tokens; torch sampler fp32 on {r['torch_threads']} thread(s)")
@@ -132,7 +155,7 @@ def report(r: dict):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=["embedded", "smollm2"], help="embedded, smollm2 or model folders")
+    p.add_argument("--models", nargs="*", default=["embedded", "smollm2"], help="embedded, smollm2 or model folders (none: GRPO only)")
     p.add_argument("--task", default="add"); p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--group-size", type=int, default=8); p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.7); p.add_argument("--top-k", type=int, default=None)
@@ -140,12 +163,24 @@ def main():
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--lora-rank", type=int, default=8, help="0: skip the LoRA-path engine")
     p.add_argument("--torch-threads", type=int, default=1, help="vLLM's CPU worker binds one core by default here")
+    p.add_argument("--grpo-seconds", type=float, default=0, help="> 0: also GRPO (embedded) for this long per backend x mode")
+    p.add_argument("--grpo-eval", type=int, default=200, help="held-out prompts for GRPO's reward before/after")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     print(f"load average at start: {load_average()}")
     results = []
     for m in args.models:
         results.append(bench_model(m, args)); report(results[-1])
+        if args.json: Path(args.json).write_text(json.dumps(results, indent=2))
+    if args.grpo_seconds > 0:
+        runs = [bench_grpo(g, a, args) for a in (False, True) for g in ("torch", "vllm")]
+        print(f"\n== GRPO, embedded model, {args.grpo_seconds:.0f} s of training each (GRPOConfig defaults)")
+        print(f"{'generator':10}{'mode':7}{'steps':>6}{'samples/s':>11}{'reward before':>15}{'after':>7}{'start-up s':>12}")
+        for r in runs:
+            su = f"{r['startup_s']:.1f}" if r["startup_s"] else "-"
+            print(f"{r['generator']:10}{'async' if r['async_mode'] else 'sync':7}{r['steps']:>6}{r['samples_per_second']:>11.1f}"
+                  f"{r['reward_before']:>15.2f}{r['reward_after']:>7.2f}{su:>12}")
+        results.append(dict(grpo=runs))
         if args.json: Path(args.json).write_text(json.dumps(results, indent=2))
     print(f"\nload average at end: {load_average()}")
 

@@ -87,7 +87,14 @@ STATUS[pytest]=$(case $rc in 0) echo passed ;; 5) echo "no cuda tests collected"
 phase "benchmarks"
 timeout "$(( $(left) > 20 ? $(left) - 10 : 10 ))" "$PY" bench/bench_device.py --json "$JSON" --budget-s "$(( $(left) > 90 ? $(left) - 75 : 15 ))"; rc=$?
 STATUS[bench]=$([ $rc = 0 ] && echo "ok: $JSON" || echo "exit $rc (see above): $JSON")
+if [ "$(left)" -gt 90 ]; then  # the mixed mode too (fp32 master weights, bf16 autocast): tunebook and transformers+peft only
+  phase "benchmarks: bf16-mixed"
+  JSON_MIXED="${JSON%.json}_bf16_mixed.json"
+  timeout "$(( $(left) - 10 ))" "$PY" bench/bench_device.py --precision bf16-mixed --frameworks tunebook,transformers+peft \
+    --json "$JSON_MIXED" --budget-s "$(( $(left) > 60 ? $(left) - 40 : 15 ))"; rc=$?
+  STATUS[bench_mixed]=$([ $rc = 0 ] && echo "ok: $JSON_MIXED" || echo "exit $rc (see above): $JSON_MIXED")
+fi
 
 echo; echo "######## summary ($(( $(date +%s) - START )) s)"
-for k in torch tunebook torchtune liger notebooks pytest bench; do [ -n "${STATUS[$k]:-}" ] && echo "  $k: ${STATUS[$k]}"; done
-case "${STATUS[notebooks]}${STATUS[pytest]}${STATUS[bench]}" in *FAILED*|*exit*) exit 1 ;; esac
+for k in torch tunebook torchtune liger notebooks pytest bench bench_mixed; do [ -n "${STATUS[$k]:-}" ] && echo "  $k: ${STATUS[$k]}"; done
+case "${STATUS[notebooks]}${STATUS[pytest]}${STATUS[bench]}${STATUS[bench_mixed]:-}" in *FAILED*|*exit*) exit 1 ;; esac

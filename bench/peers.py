@@ -35,19 +35,24 @@ def make_batch(batch: int, seq: int, vocab: int, prompt_frac: float = 0.25, seed
     return {k: v.to(device) for k, v in dict(tokens=tokens, labels=labels, hf_labels=hf).items()}
 
 
+ALIASES = {"bf16-mixed": "amp"}  # tunebook's name for fp32 master weights + bf16 autocast
+
+
 def _autocast(device, precision):
-    if precision != "amp": return contextlib.nullcontext()
+    if ALIASES.get(precision, precision) != "amp": return contextlib.nullcontext()
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
 
 
 def _weights_dtype(precision):
+    precision = ALIASES.get(precision, precision)
     if precision not in ("fp32", "bf16", "amp"): raise ValueError(f"precision must be fp32, bf16 or amp, got {precision!r}")
     return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
 def _optimizer(params, lr, device):
     params = [p for p in params if p.requires_grad]
-    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=torch.device(device).type == "cuda") if params else None
+    # fused everywhere it runs (CPU and CUDA), for every framework: torchtune's configs and transformers' default optim use it
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=torch.device(device).type in ("cpu", "cuda")) if params else None
 
 
 class Run:
@@ -62,10 +67,13 @@ class Run:
         if self.method == "model":
             for p in self.model.parameters(): p.requires_grad_(True)
         if self.compile:  # regional: each block on its own (identical blocks share one compiled graph)
-            for b in blocks: b.compile(backend=self.compile_backend)
+            self.compile_blocks(blocks)
         self.model.train()
         self.optimizer = None if self.method == "model" else _optimizer(self.model.parameters(), self.lr, self.device)
         return self
+
+    def compile_blocks(self, blocks):
+        for b in blocks: b.compile(backend=self.compile_backend)
 
     def step(self, batch) -> float:
         with _autocast(self.device, self.precision):
@@ -91,11 +99,19 @@ class TunebookRun(Run):
         self.model = load_hf(d, dtype=_weights_dtype(precision), device=device)
         if method == "lora": apply_lora(self.model, rank=rank, alpha=alpha, targets=LORA_TARGETS)
         self.loss_fn = ChunkedCrossEntropy(num_chunks=num_chunks)
+        if method == "lora" and ALIASES.get(precision, precision) == "amp":
+            from tunebook.precision import resolve_precision, store_frozen_
+            store_frozen_(self.model, resolve_precision("bf16-mixed"))  # frozen base weights in bf16: what autocast casts them to
         self.finish(self.model.layers)
+
+    def compile_blocks(self, blocks):  # tunebook's own regional compile: blocks (dynamic length) and the loss with lm_head
+        from tunebook.compile import compile_model
+        compile_model(self.model, self.loss_fn, backend=self.compile_backend)
 
     def loss_of(self, batch):
         h = self.model(batch["tokens"], return_hidden=True)
-        return self.loss_fn(h, self.model.output_weight.to(h.dtype), batch["labels"])
+        w = self.model.output_weight  # under autocast the loss casts it once; else it must match the hidden states
+        return self.loss_fn(h, w if torch.is_autocast_enabled(h.device.type) else w.to(h.dtype), batch["labels"])
 
     def lora_A(self):
         return {n.split(".lora_A")[0]: p for n, p in self.model.named_parameters() if ".lora_A." in n}

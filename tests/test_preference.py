@@ -241,4 +241,4 @@ def test_kto_on_a_data_file_raises_the_reward_gap(policy, tmp_path):
     held = {(m[-1]["content"], c) for m, c, _, _ in t.objective.held.examples}
     assert len(held) == 60 and not held & {(m[-1]["content"], c) for m, c, _, _ in t.rows.examples}
     assert s["lead_metric"] == "reward_gap" and s["reward_gap_before"] == 0.0 and s["kto_accuracy_before"] == 0.5
-    assert s["reward_gap_after"] > 0.05 and s["kto_accuracy_after"] > 0.6, s
+    assert s["reward_gap_after"] > 0.2 and s["kto_accuracy_after"] > 0.7, s   # measured (seed 0): 0.43 and 0.82

@@ -165,3 +165,22 @@ def test_two_processes_match_one(tiny, tmp_path, kind, method):
     assert len(one["losses"]) == 3 and one["losses"][-1] != one["losses"][0]   # it trained
     for a, b in zip(one["losses"], two["losses"]): assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (one, two)
     for k, v in one["summary"].items(): assert abs(v - two["summary"][k]) <= 1e-4 * max(1.0, abs(v)), (k, one, two)
+
+
+def test_distill_packed_rows_equal_the_rows_alone(tiny, tmp_path):
+    """--packing: teacher and student see the same doc_ids/positions, so a packed row's KL + CE is its documents' sum."""
+    from tunebook.data import collate_fn
+    path, task = tiny
+    t = DistillTrainer(DistillConfig(teacher=path, task=task, n_train=16, eval_samples=2, batch_size=2, ce_weight=0.5, packing=True,
+                                     max_seq_len=128, output_dir=str(tmp_path))).setup()
+    with torch.no_grad():
+        for p in t.model.parameters(): p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.01)
+    row = t.rows[0]
+    n_docs = max(row["doc_ids"]) + 1
+    assert n_docs >= 2   # something was packed
+    docs = [t.train_data[i] for i in range(n_docs)]   # pack() keeps the data's order
+    assert sum(len(d["tokens"]) for d in docs) <= 128 and row["tokens"][:len(docs[0]["tokens"])] == docs[0]["tokens"]
+    with torch.no_grad():
+        packed, _ = t.objective.loss(t, {k: v.clone() for k, v in collate_fn([row]).items()})
+        alone, _ = t.objective.loss(t, collate_fn(docs))
+    assert abs(packed.item() - alone.item()) <= 1e-5 * abs(alone.item()), (packed.item(), alone.item())

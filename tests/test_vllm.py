@@ -175,7 +175,7 @@ def smollm2():
 
 @pytest.fixture(scope="module")
 def server(smollm2):
-    s = VLLMServer(smollm2[0], max_model_len=512, seed=0)
+    s = VLLMServer(smollm2[0], max_model_len=512, seed=0, lora_rank=8)
     print(f"\nvllm serve start-up: {s.startup_seconds:.1f} s")
     yield s
     s.close()
@@ -195,4 +195,12 @@ def test_server_logprobs_and_weight_update(server, smollm2):
     assert client.version == 3
     assert gap(forward_logprobs(policy, prompts, tokens, N), logprobs) < TOL
     assert gap(forward_logprobs(model, prompts, tokens, N), logprobs) > 0.1
+    # the LoRA path over HTTP: /v1/load_lora_adapter with load_inplace, then completions name the adapter
+    policy = perturbed(model, seed=6, embeddings=False, std=0.05)
+    client.update_weights(model, version=4)          # the base again, so the adapter applies to it
+    t = client.update_adapter(policy, version=5)
+    print(f"server update_adapter: {t:.2f} s")
+    tokens, logprobs = client.sample(prompts[:2], n=N, max_tokens=16, temperature=1.0, stop_token_ids=stops)
+    assert gap(forward_logprobs(policy, prompts[:2], tokens, N), logprobs) < TOL
+    assert gap(forward_logprobs(model, prompts[:2], tokens, N), logprobs) > 0.1
     client.close()

@@ -108,8 +108,10 @@ def _lm_eval_run(cfg, args) -> dict:
     from tunebook.lmeval import run_eval
     from tunebook.train import resolve_name
     limit = None if args.eval_limit is None else (args.eval_limit if args.eval_limit < 1 else int(args.eval_limit))
+    counts = {}
     def scores(model) -> dict:
         out = run_eval(str(model), args.eval_tasks, include_path=args.eval_include_path, limit=limit)
+        counts.update({t: n.get("effective") for t, n in out.get("n-samples", {}).items()})   # examples scored per task
         return {t: {k: v for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)} for t, r in out["results"].items()}
     base = resolve_name(cfg.model, cfg.revision)
     if base == "embedded":
@@ -118,6 +120,7 @@ def _lm_eval_run(cfg, args) -> dict:
     added = dict(lm_eval_tasks=args.eval_tasks)
     if Path(str(base)).is_dir(): added["lm_eval_before"] = scores(base)   # a builder name has random weights: nothing to score before
     added["lm_eval_after"] = scores(cfg.output_dir)
+    added["lm_eval_samples"] = counts
     path = Path(cfg.output_dir) / "summary.json"
     summary = {**json.loads(path.read_text()), **added}
     tmp = path.with_name(".summary.json.tmp")
@@ -201,7 +204,8 @@ def _rl_command(module: str, runner: str, cls):
 def _rl_parsers(sub):
     from tunebook.config.commands import config_class
     for name, module, runner, text in (
-            ("dpo", "dpo", "run_dpo", "preference optimisation on chosen/rejected pairs (DPO and its variants)"),
+            ("dpo", "dpo", "run_dpo", "preference optimisation on chosen/rejected pairs (--loss dpo, ipo, simpo or orpo)"),
+            ("kto", "kto", "run_kto", "KTO on unpaired desirable/undesirable answers (prompt, completion, label)"),
             ("distill", "distill", "run_distill", "knowledge distillation with a chunked KL"),
             ("grpo", "grpo", "run_grpo", "GRPO with a verifier; --async runs generators beside the learner")):
         cls = config_class(name)

@@ -110,7 +110,7 @@ def fit_max_seq_len(lengths: list[int],            # tokens of each example, as 
             raise ValueError(f"max_seq_len={max_seq_len} is beyond the model's context of {context} positions: set "
                              f"max_seq_len={min(longest, context)} or less (or leave it unset to fit the data).")
         n, how = max_seq_len, "as set"
-    elif context and longest > context: n, how = context, f"the model's context (the longest example has {longest} tokens)"
+    elif context and longest > context: n, how = context, f"the model's context; the longest example has {longest} tokens"
     else: n, how = max(longest, 2), "the longest example"
     over = sum(l > n for l in lengths)
     if not over: return n, f"max_seq_len={n} ({how}): every one of the {len(lengths):,} examples fits"

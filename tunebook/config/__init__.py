@@ -93,7 +93,7 @@ class SourcePart(Part):
     system_prompt: str | None = None     # a system turn put before every prompt
     chat_template: bool = True           # render with the tokenizer's chat template when it has one; --no-chat-template: the plain layout
     eval_fraction: float = 0.05          # data file: share of rows held out for eval (at most eval_samples)
-    max_seq_len: int | None = 64         # tokens per training row (longer rows are cut); None: from the data (the longest row, capped by the model's context)
+    max_seq_len: int | None = None       # tokens per training row; None: the longest example as rendered, capped by the model's context (longer examples are dropped whole and reported, never cut)
 
     def problems(self) -> list[str]:
         bad, o = [], self.opt
@@ -221,7 +221,7 @@ class RunPart(Part):
     "The run: eval, logging, checkpoints, output folder, trackers, resume."
     eval_samples: int = 200              # held-out prompts scored by exact match
     eval_every: int = 0                  # 0: before and after training only
-    max_new_tokens: int | None = 16      # eval: tokens generated per held-out prompt; None: from the longest held-out answer
+    max_new_tokens: int | None = None    # eval: tokens generated per held-out prompt; None: the longest held-out answer + its end-of-turn token
     log_every: int = 10                  # steps between log lines (metrics.csv gets every step)
     save_every: int = 0                  # 0: only at the end
     output_dir: str = "runs/finetune"    # the run folder: config, metrics, checkpoints, model

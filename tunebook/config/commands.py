@@ -86,7 +86,7 @@ class CompareConfig(Part):
                            packing=True, eval_samples=0, output_dir=self.output_dir).validate()
 
 # %% ../../nbs/11b2_commands.ipynb #db6041de
-COMMANDS = ("finetune", "dpo", "distill", "grpo", "estimate", "compare")   # the subcommands whose options are a config class
+COMMANDS = ("finetune", "dpo", "kto", "distill", "grpo", "estimate", "compare")   # the subcommands whose options are a config class
 
 def config_class(command: str) -> type:
     "The config class of subcommand `command`."
@@ -96,6 +96,9 @@ def config_class(command: str) -> type:
     if command == "dpo":
         from tunebook.dpo import DPOConfig
         return DPOConfig
+    if command == "kto":
+        from tunebook.kto import KTOConfig
+        return KTOConfig
     if command == "distill":
         from tunebook.distill import DistillConfig
         return DistillConfig

@@ -180,7 +180,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip=()) -> None:
                 kind = int if "int" in ann and "float" not in ann else float if "float" in ann else str
                 if "None" in ann: kind = _parse_optional(kind)
                 # the values a field takes, shown in --help; validation refuses others in one line naming the flag
-                choices = {"format": ("auto", *getattr(cls, "_formats", ())), "train_on": ("all", "last")}.get(f.name)
+                choices = {"format": ("auto", *getattr(cls, "_formats", ())), "train_on": ("all", "last")}.get(f.name) \
+                    or getattr(cls, "_choices", {}).get(f.name)   # a config may list the values of its own fields (DPO's loss)
                 flags = {"loggers": ("--logger", flag)}.get(f.name, (flag,))   # --logger tensorboard,wandb reads as a user says it
                 group.add_argument(*flags, dest=f.name, type=kind, default=default, metavar="{" + ",".join(choices) + "}" if choices else None,
                                    help=h if h == argparse.SUPPRESS else f"{h} (default: {str(default).replace('%', '%%')})".strip())

@@ -64,6 +64,9 @@ class Trainer:
         if self.world != c.nproc:
             raise ValueError(f"the config asks for nproc={c.nproc} but {self.world} process(es) are running; "
                              "start with `tunebook finetune --nproc N` (it launches torchrun) or set nproc to match.")
+        if getattr(c, "compile", False):   # regional: every block (and the chunked loss), after LoRA/checkpointing, before FSDP
+            from tunebook.compile import compile_model
+            compile_model(self.model, self.loss_fn)
         obj.prepare_model(self)
         if self.world > 1:
             from tunebook.distributed import shard_model
@@ -151,10 +154,6 @@ class Trainer:
         "The objective's loss of `batch`, summed over its units."
         return self.objective.loss(self, batch)[0]
 
-class _Legacy(SFT):
-    "A subclass that still overrides `loss_sum` (until it becomes an objective): the loop calls its method."
-    def loss(self, tr, batch): return type(tr).loss_sum(tr, batch), {}
-
 def _loop_problems(c) -> list[str]:
     "Options the loop itself cannot honour together."
     if str(c.dtype) == "fp16-mixed" and getattr(c, "optimizer_in_backward", False):
@@ -163,4 +162,4 @@ def _loop_problems(c) -> list[str]:
     return []
 
 def _default_objective(tr) -> Objective:
-    return _Legacy() if type(tr).loss_sum is not Trainer.loss_sum else SFT()
+    return SFT()

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..checkpoint import hf_key
-from ..core import check_dir, get_dtype
+from ..core import check_dir, get_dtype, patch
 
 # %% auto #0
 __all__ = ['VLLM_INSTALL', 'require_vllm', 'policy_tensors', 'TunebookWorkerExtension', 'VLLMGenerator']
@@ -36,8 +36,6 @@ def require_vllm():
     return vllm
 
 # %% ../../nbs/12da_vllm_engine.ipynb #f517fe97
-_ADAPTER = ("lora_A", "lora_B", "lora_magnitude_vector")
-
 @torch.no_grad()
 def policy_tensors(model, dtype=None) -> dict[str, torch.Tensor]:
     "Hugging Face-keyed tensors of `model` with its LoRA/DoRA adapters merged in; the model is left as it is."
@@ -58,10 +56,22 @@ def policy_tensors(model, dtype=None) -> dict[str, torch.Tensor]:
     return {k: (v.to(dt) if dt is not None else v).detach().to("cpu").contiguous() for k, v in out.items()}
 
 # %% ../../nbs/12da_vllm_engine.ipynb #f518d0d2
+class _ExpectedReloadWarnings:
+    "Drops vLLM's 'Failed to load weights' warning for layers a checkpoint never holds (rotary caches, a tied lm_head)."
+    def __init__(self, layers): self.layers = tuple(layers)
+    def filter(self, record) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args and str(record.args[0]).endswith(self.layers))
+
 class TunebookWorkerExtension:
     "Mixed into each vLLM worker: reload weights from a folder in place, then rebuild a tied lm_head."
     def tunebook_reload(self, weights_path: str, retie: bool = True) -> float:
         t = time.perf_counter()
+        if not getattr(self, "_tunebook_filtered", False):
+            import logging
+            tied = self._tunebook_head()[0] is not None
+            logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+                _ExpectedReloadWarnings(("RotaryEmbedding",) + (("ParallelLMHead",) if tied else ())))
+            self._tunebook_filtered = True
         self.reload_weights(weights_path=str(weights_path))
         if retie: self.tunebook_retie()
         return time.perf_counter() - t
@@ -142,14 +152,18 @@ class VLLMGenerator:
         except BaseException: shutil.rmtree(self._tmp, ignore_errors=True); raise
         self.startup_seconds = time.perf_counter() - t0
 
+    def __enter__(self): return self
+    def __exit__(self, *exc): self.close()
+
     def __repr__(self):
         return (f"VLLMGenerator({str(self.model_dir)!r}, dtype={self.dtype!r}, version={self.version}, "
                 f"startup={self.startup_seconds:.1f}s{', lora' if self.lora_rank else ''})")
 
 # %% ../../nbs/12da_vllm_engine.ipynb #877982a1
-def _vllm_sample(self: VLLMGenerator, prompt_token_ids, n: int = 1, max_tokens: int = 32, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None, stop_token_ids=None
-                 ) -> tuple[list[list[int]], list[list[float]]]:
+@patch
+def sample(self: VLLMGenerator, prompt_token_ids, n: int = 1, max_tokens: int = 32, temperature: float = 1.0,
+           top_k: int | None = None, top_p: float | None = None, stop_token_ids=None
+           ) -> tuple[list[list[int]], list[list[float]]]:
     "(tokens, logprobs): `n` completions per prompt, prompt-major, with each token's log-prob under the model."
     from vllm import SamplingParams
     prompts = _check_prompts(prompt_token_ids)
@@ -162,8 +176,6 @@ def _vllm_sample(self: VLLMGenerator, prompt_token_ids, n: int = 1, max_tokens: 
             tokens.append(ids)
             logprobs.append([float(lp[t].logprob) for lp, t in zip(c.logprobs, ids)])
     return tokens, logprobs
-
-VLLMGenerator.sample = _vllm_sample
 
 # %% ../../nbs/12da_vllm_engine.ipynb #00348ca8
 def _write_weights(source, folder: Path, dtype) -> Path:
@@ -180,7 +192,8 @@ def _write_weights(source, folder: Path, dtype) -> Path:
     os.replace(tmp, folder / "model.safetensors")
     return folder
 
-def _vllm_update_weights(self: VLLMGenerator, source, version: int | None = None) -> float:
+@patch
+def update_weights(self: VLLMGenerator, source, version: int | None = None) -> float:
     "Reload the policy's weights in place (a tunebook model, LoRA merged on the fly; a state dict; a folder); seconds."
     t0 = time.perf_counter()
     folder = _write_weights(source, self._tmp / "weights", self.dtype)
@@ -192,7 +205,8 @@ def _vllm_update_weights(self: VLLMGenerator, source, version: int | None = None
     self.version = self.version + 1 if version is None else version
     return time.perf_counter() - t0
 
-def _vllm_update_adapter(self: VLLMGenerator, source, version: int | None = None) -> float:
+@patch
+def update_adapter(self: VLLMGenerator, source, version: int | None = None) -> float:
     "Swap in the policy's LoRA adapters (a tunebook model with adapters, or a peft folder) by vLLM's LoRA path; seconds."
     from vllm.lora.request import LoRARequest
     from tunebook.lora import save_adapter
@@ -208,17 +222,14 @@ def _vllm_update_adapter(self: VLLMGenerator, source, version: int | None = None
     self.version = self.version + 1 if version is None else version
     return time.perf_counter() - t0
 
-def _vllm_lm_head_gap(self: VLLMGenerator) -> float:
+@patch
+def lm_head_gap(self: VLLMGenerator) -> float:
     "How far a tied lm_head's kernel is from embed_tokens in the engine (0.0 when current); for tests."
     return max(self.llm.collective_rpc("tunebook_lm_head_gap"))
 
-def _vllm_close(self: VLLMGenerator):
+@patch
+def close(self: VLLMGenerator):
     "Shut the engine and its processes down; remove the temporary weights."
     llm = self.__dict__.pop("llm", None)
     if llm is not None: llm.llm_engine.engine_core.shutdown()
     shutil.rmtree(self._tmp, ignore_errors=True)
-
-VLLMGenerator.update_weights, VLLMGenerator.update_adapter, VLLMGenerator.lm_head_gap = _vllm_update_weights, _vllm_update_adapter, _vllm_lm_head_gap
-VLLMGenerator.close = _vllm_close
-VLLMGenerator.__enter__ = lambda self: self
-VLLMGenerator.__exit__ = lambda self, *exc: self.close()

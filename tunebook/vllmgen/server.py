@@ -65,6 +65,7 @@ class VLLMClient:
         folder = _write_weights(source, self.weights_dir / "weights", self.dtype)
         _http(self.url + "/collective_rpc", dict(method="tunebook_reload", kwargs=dict(weights_path=str(folder))), self.timeout)
         _http(self.url + "/reset_prefix_cache", {}, self.timeout)
+        self._adapter = None   # the reloaded weights are the whole policy: sample without an adapter
         self.version = self.version + 1 if version is None else version
         return time.perf_counter() - t0
 
