@@ -165,6 +165,7 @@ def main():
     p.add_argument("--torch-threads", type=int, default=1, help="vLLM's CPU worker binds one core by default here")
     p.add_argument("--grpo-seconds", type=float, default=0, help="> 0: also GRPO (embedded) for this long per backend x mode")
     p.add_argument("--grpo-eval", type=int, default=200, help="held-out prompts for GRPO's reward before/after")
+    p.add_argument("--grpo-runs", default="torch:sync,vllm:sync,torch:async,vllm:async", help="generator:mode, comma-separated")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     print(f"load average at start: {load_average()}")
@@ -173,7 +174,7 @@ def main():
         results.append(bench_model(m, args)); report(results[-1])
         if args.json: Path(args.json).write_text(json.dumps(results, indent=2))
     if args.grpo_seconds > 0:
-        runs = [bench_grpo(g, a, args) for a in (False, True) for g in ("torch", "vllm")]
+        runs = [bench_grpo(g, m == "async", args) for g, m in (r.split(":") for r in args.grpo_runs.split(","))]
         print(f"\n== GRPO, embedded model, {args.grpo_seconds:.0f} s of training each (GRPOConfig defaults)")
         print(f"{'generator':10}{'mode':7}{'steps':>6}{'samples/s':>11}{'reward before':>15}{'after':>7}{'start-up s':>12}")
         for r in runs:

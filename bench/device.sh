@@ -33,7 +33,7 @@ if [ "$SMOKE" = 1 ]; then
   PY="${TUNEBOOK_BENCH_PY:-.venv/bin/python}"
   [ -x "$PY" ] || command -v "$PY" >/dev/null || { echo "device.sh --smoke: no python at $PY (make install, or set TUNEBOOK_BENCH_PY)" >&2; exit 2; }
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-  exec "$PY" bench/bench_device.py --smoke --json "$JSON" --budget-s 100
+  exec "$PY" bench/bench_device.py --smoke --json "$JSON" --budget-s 200
 fi
 
 START=$(date +%s)

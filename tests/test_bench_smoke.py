@@ -32,7 +32,7 @@ def smoke(tmp_path_factory):
     js = tmp_path_factory.mktemp("bench") / "device.json"
     env = dict(os.environ, TUNEBOOK_BENCH_PY=PY, OMP_NUM_THREADS="1")
     p = subprocess.run(["bash", "bench/device.sh", "--smoke", "--json", str(js)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     line = [l for l in p.stdout.splitlines() if l.startswith("BENCH_JSON ")]
     assert len(line) == 1, p.stdout[-3000:]

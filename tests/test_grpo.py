@@ -130,6 +130,34 @@ def test_grpo_runs_the_loops_options(tiny, tmp_path):
     assert all(r["logprob_gap_max"] < 1e-4 for r in t.metrics)   # sampler and learner: the same fp32 model
 
 
+def test_grpo_runs_with_the_other_memory_techniques(tiny, tmp_path):
+    """The optimizer stepped inside backward, activation offloading and the memory profile at every step, on GRPO's step."""
+    path, task = tiny
+    cfg = _grpo_cfg(path, task, tmp_path, max_steps=2, optimizer_in_backward=True, max_grad_norm=None,
+                    activation_offloading=True, profile_memory=True, group_size=4, prompts_per_step=2, eval_samples=2)
+    t = GRPOTrainer(cfg, reward_fn=lambda c, r: float(len(c)))   # varies within a group: a random model gets a gradient
+    before = {n: p.detach().clone() for n, p in t.setup().model.named_parameters() if p.requires_grad}
+    s = t.fit(progress=False)
+    assert s["steps"] == 2 and all(r.get("peak_bytes", 0) > 0 for r in t.metrics)
+    moved = [n for n, p in t.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert moved, "the in-backward optimizer did not update any adapter"
+
+
+def test_grpo_sync_resume_continues_the_same_run(tiny, tmp_path):
+    """Rollout g is drawn from the run's seed and g: 2 steps, then a resumed run to 4, ends with the weights of 4 in one go."""
+    path, task = tiny
+    length = lambda c, r: float(len(c))
+    kw = dict(group_size=4, prompts_per_step=2, eval_samples=2, lr=1e-2)
+    one = GRPOTrainer(_grpo_cfg(path, task, tmp_path / "one", max_steps=4, **kw), reward_fn=length); one.fit(progress=False)
+    GRPOTrainer(_grpo_cfg(path, task, tmp_path / "two", max_steps=2, **kw), reward_fn=length).fit(progress=False)
+    two = GRPOTrainer(_grpo_cfg(path, task, tmp_path / "two", max_steps=4, resume=True, **kw), reward_fn=length)
+    two.fit(progress=False)
+    a = {n: p for n, p in one.model.named_parameters() if p.requires_grad}
+    b = {n: p for n, p in two.model.named_parameters() if p.requires_grad}
+    assert two.step == 4 and max((a[n] - b[n]).abs().max().item() for n in a) < 1e-6
+    assert [r["reward"] for r in one.metrics] == [r["reward"] for r in two.metrics]
+
+
 def test_grpo_refuses_what_it_cannot_do(tiny, tmp_path):
     path, task = tiny
     with pytest.raises(ValueError, match="learner runs in one process"):

@@ -235,6 +235,10 @@ PER_COMMAND = {
         "n_eval_pairs": lambda env: ("2", lambda t, d: len(t.eval_pairs) == 2 < len(d.eval_pairs)),
         "chosen_field": lambda env: ("good", _loads), "rejected_field": lambda env: ("bad", _loads),
         "loss": lambda env: ("simpo", lambda t, d: abs(_dpo_loss(t) - _dpo_loss(d)) > 1e-6),
+        # the tokenizer has a chat template: pairs rendered with it by default, the plain layout with the flag (other tokens)
+        "chat_template": lambda env: ("--no", lambda t, d: t.train_pairs.use_chat_template is False and d.train_pairs.use_chat_template is True
+                                      and t.micro_batch(0)["tokens"].shape != d.micro_batch(0)["tokens"].shape
+                                      or not torch.equal(t.micro_batch(0)["tokens"], d.micro_batch(0)["tokens"])),
         "simpo_gamma": lambda env: ("1.0", lambda t, d: abs(_dpo_loss(t) - _dpo_loss(d)) > 1e-6),   # both with --loss simpo
     },
     "distill": {
@@ -315,6 +319,8 @@ def _split_argv(cmd, dest, value, env):
     if dest == "schedule": ctx += ["--max-steps", "4"]
     if cmd == "dpo" and dest == "prompt_field": ctx = ["--data", str(env / "pq.jsonl")]
     if cmd == "dpo" and dest == "simpo_gamma": ctx += ["--loss", "simpo"]
+    if cmd == "dpo" and dest == "chat_template": ctx = ["--data", str(env / "p.jsonl")]
+    if dest == "packing": ctx += ["--max-seq-len", "128"]   # room for several rows per sequence
     if cmd == "grpo" and dest in DATA_FOR:   # GRPO reads prompts and the answers its reward checks
         ctx = ["--data", str(env / {"answer_field": "ga.jsonl", "prompt_field": "q.jsonl"}.get(dest, "gd.jsonl"))] + \
               ["--eval-samples", "30"] * (dest == "eval_fraction")

@@ -184,3 +184,20 @@ def test_distill_packed_rows_equal_the_rows_alone(tiny, tmp_path):
         packed, _ = t.objective.loss(t, {k: v.clone() for k, v in collate_fn([row]).items()})
         alone, _ = t.objective.loss(t, collate_fn(docs))
     assert abs(packed.item() - alone.item()) <= 1e-5 * abs(alone.item()), (packed.item(), alone.item())
+
+
+def test_full_reference_stays_frozen_when_blocks_are_compiled():
+    """A compiled block's forward closes over the live block: a plain deepcopy would make the 'frozen' reference of a
+    full fine-tune run the policy's changing weights (DPO's margins would stay 0)."""
+    from tunebook.compile import compile_model
+    from tunebook.logprobs import Reference, sequence_logprobs
+    from tunebook.model import build_model, pico
+    torch.manual_seed(0)
+    m = compile_model(build_model(pico(vocab_size=64)), backend="eager")
+    b = dict(tokens=torch.randint(0, 64, (2, 9)), labels=torch.randint(0, 64, (2, 9)))
+    ref = Reference(m, "full")
+    start = ref(sequence_logprobs, b)
+    with torch.no_grad():
+        for p in m.parameters(): p.add_(0.1)
+    assert torch.equal(ref(sequence_logprobs, b), start)
+    assert (sequence_logprobs(m, b) - start).abs().max() > 1e-2

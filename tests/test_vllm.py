@@ -2,8 +2,8 @@
 
 Run in the vLLM environment: `make pytest-vllm` (= `.venv-vllm/bin/python -m pytest -q tests/test_vllm.py`); the
 module is skipped where vLLM is not installed (the main .venv). One in-process engine (the embedded model, with
-vLLM's LoRA path enabled) and one `vllm serve` subprocess (the real SmolLM2-135M-Instruct checkpoint,
-tests/realckpt.py) serve the whole module; rollouts are 3 prompts x 4 samples x at most 32 tokens.
+vLLM's LoRA path enabled) and one vLLM API server subprocess (the real SmolLM2-135M-Instruct checkpoint,
+tests/realckpt.py; launched first, so both start at once) serve the whole module; rollouts are 3 prompts x 4 samples x at most 32 tokens.
 """
 import copy
 import time
@@ -79,7 +79,18 @@ def embedded():
 
 
 @pytest.fixture(scope="module")
-def gen():
+def server_proc():
+    """`vllm serve` on the real SmolLM2 checkpoint (vLLM's LoRA path on), launched without waiting: it starts up
+    while the in-process engine does (each takes 0.5-2 minutes here)."""
+    from realckpt import smollm2_dir
+    s = VLLMServer(smollm2_dir(), max_model_len=512, seed=0, lora_rank=8, wait=False)
+    yield s
+    s.close()
+    assert s.__dict__.get("proc") is None
+
+
+@pytest.fixture(scope="module")
+def gen(server_proc):
     g = VLLMGenerator(EMBEDDED_DIR, lora_rank=8, max_model_len=256, seed=0)
     print(f"\nvLLM engine start-up: {g.startup_seconds:.1f} s")
     yield g
@@ -174,12 +185,10 @@ def smollm2():
 
 
 @pytest.fixture(scope="module")
-def server(smollm2):
-    s = VLLMServer(smollm2[0], max_model_len=512, seed=0, lora_rank=8)
-    print(f"\nvllm serve start-up: {s.startup_seconds:.1f} s")
-    yield s
-    s.close()
-    assert s.__dict__.get("proc") is None
+def server(server_proc):
+    server_proc.wait()
+    print(f"\nvllm serve start-up (from launch): {server_proc.startup_seconds:.1f} s")
+    return server_proc
 
 
 def test_server_logprobs_and_weight_update(server, smollm2):

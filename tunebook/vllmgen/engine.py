@@ -132,7 +132,7 @@ class VLLMGenerator:
                  lora_rank: int | None = None,     # enable vLLM's LoRA path (update_adapter) for adapters up to this rank
                  kv_cache_gib: int = 1,            # CPU: VLLM_CPU_KVCACHE_SPACE (when not already set)
                  gpu_memory_utilization: float = 0.5,  # CUDA: the share of GPU memory the engine may take
-                 enforce_eager: bool | None = None,    # None: True on CPU (faster start, same speed), False on CUDA
+                 enforce_eager: bool | None = None,    # None: True on CPU (no torch.compile: a much shorter start), False on CUDA
                  **engine_kw):                     # anything else for vllm.LLM
         vllm = require_vllm()
         self.model_dir = check_dir(model_dir, "model folder")

@@ -25,14 +25,16 @@ __all__ = ['VLLMClient', 'VLLMServer']
 
 # %% ../../nbs/12db_vllm_server.ipynb #e563b680
 def _http(url: str, body: dict | None = None, timeout: float = 600.0):
-    "POST `body` as JSON (GET when None); the decoded JSON reply (None when empty); errors carry the server's text."
+    "POST `body` as JSON (GET when None); the decoded JSON reply (its text when not JSON, None when empty); errors carry the server's text."
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r: text = r.read().decode()
     except urllib.error.HTTPError as e:
         raise RuntimeError(f"{url}: HTTP {e.code}: {e.read().decode()[:1000]}") from None
-    return json.loads(text) if text.strip() else None
+    if not text.strip(): return None
+    try: return json.loads(text)
+    except json.JSONDecodeError: return text   # e.g. /v1/load_lora_adapter answers "Success: LoRA adapter ... added"
 
 class VLLMClient:
     "The `VLLMGenerator` API over a vLLM OpenAI-compatible server at `url` (see `VLLMServer`)."
@@ -97,7 +99,8 @@ class VLLMServer:
     "`vllm serve model_dir` as a local subprocess with tunebook's worker extension and dev endpoints; `.url`, `.close()`."
     def __init__(self, model_dir, dtype: str | None = None, seed: int = 0, port: int | None = None, host: str = "127.0.0.1",
                  max_model_len: int | None = None, lora_rank: int | None = None, kv_cache_gib: int = 1,
-                 extra_args: tuple = (), start_timeout: float = 600.0, python: str | None = None):
+                 extra_args: tuple = (), start_timeout: float = 600.0, python: str | None = None,
+                 wait: bool = True):   # False: return at once; `.wait()` later (start other work meanwhile)
         require_vllm()
         self.model_dir, cuda = check_dir(model_dir, "model folder"), torch.cuda.is_available()
         self.dtype, self.port = dtype or ("bfloat16" if cuda else "float32"), port or _free_port()
@@ -112,12 +115,18 @@ class VLLMServer:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         self._tmp = _shm_dir("tunebook-vllm-server-")
         self.log_file = self._tmp / "server.log"
-        t0 = time.perf_counter()
+        self._t0, self.start_timeout, self.startup_seconds = time.perf_counter(), start_timeout, None
         with open(self.log_file, "wb") as log:
             self.proc = subprocess.Popen(args + list(extra_args), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try: self._wait(start_timeout)
+        if wait: self.wait()
+
+    def wait(self) -> "VLLMServer":
+        "Block until the server answers /health (`.startup_seconds` then says how long it took from launch)."
+        if self.startup_seconds is not None: return self
+        try: self._wait(self.start_timeout)
         except BaseException: self.close(); raise
-        self.startup_seconds = time.perf_counter() - t0
+        self.startup_seconds = time.perf_counter() - self._t0
+        return self
 
     def _wait(self, timeout: float):
         deadline = time.time() + timeout
@@ -137,8 +146,8 @@ class VLLMServer:
         except OSError: return "(no log)"
 
     def client(self, **kw) -> VLLMClient:
-        "A `VLLMClient` on this server."
-        return VLLMClient(self.url, **kw)
+        "A `VLLMClient` on this server (waits for its start-up first)."
+        return VLLMClient(self.wait().url, **kw)
 
     def close(self, timeout: float = 30.0):
         "Stop the server's process group (SIGTERM, then SIGKILL after `timeout` s); remove its log folder."
