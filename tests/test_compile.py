@@ -142,3 +142,18 @@ def test_uncompile_and_refusals():
     assert not any(is_compiled(b) for b in m.layers)
     assert set(m.state_dict()) == set(small().state_dict())   # compiling leaves the checkpoint keys alone
     with pytest.raises(TypeError, match="needs a model with `layers`"): compile_model(torch.nn.Linear(2, 2))
+
+
+def test_deepcopy_runs_its_own_weights():
+    "A deep copy of a compiled model (DPO's frozen reference) computes with its own weights, through the shared compiled code."
+    m = small(lora=False)
+    cnt = CompileCounter()
+    compile_model(m, backend=cnt)
+    tok = torch.randint(0, 512, (2, 10))
+    ref = copy.deepcopy(m)
+    before = ref(tok).detach()
+    with torch.no_grad():
+        for p in m.parameters(): p.add_(0.1)   # train the live model: the copy must not move
+    torch.testing.assert_close(ref(tok).detach(), before)
+    assert not torch.allclose(m(tok).detach(), before)
+    assert all(b.forward.module is b for b in ref.layers) and cnt.frame_count == 1

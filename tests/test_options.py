@@ -237,8 +237,7 @@ PER_COMMAND = {
         "loss": lambda env: ("simpo", lambda t, d: abs(_dpo_loss(t) - _dpo_loss(d)) > 1e-6),
         # the tokenizer has a chat template: pairs rendered with it by default, the plain layout with the flag (other tokens)
         "chat_template": lambda env: ("--no", lambda t, d: t.train_pairs.use_chat_template is False and d.train_pairs.use_chat_template is True
-                                      and t.micro_batch(0)["tokens"].shape != d.micro_batch(0)["tokens"].shape
-                                      or not torch.equal(t.micro_batch(0)["tokens"], d.micro_batch(0)["tokens"])),
+                                      and not torch.equal(t.micro_batch(0)["tokens"], d.micro_batch(0)["tokens"])),
         "simpo_gamma": lambda env: ("1.0", lambda t, d: abs(_dpo_loss(t) - _dpo_loss(d)) > 1e-6),   # both with --loss simpo
     },
     "distill": {

@@ -79,8 +79,8 @@ def test_config_list_show_cp(tmp_path):
 
 
 # ---------------------------------------------------------------- the round trip
-SMALL = {"max_steps": "4", "batch_size": "8", "warmup_steps": "1", "log_every": "1"}   # edited in the copy
-APPEND = "n_train: 64\neval_samples: 4\nmax_new_tokens: 4\n"                           # added to it
+SMALL = {"max_steps": "4", "batch_size": "8", "warmup_steps": "1", "log_every": "1", "lr": "0.004", "lora_rank": "8"}   # edited in the copy
+APPEND = "n_train: 64\neval_samples: 4\nmax_new_tokens: 4\nseed: 3\nlora_targets: [q_proj, v_proj]\n"   # added: none of these are defaults
 
 
 def _edit(path: Path):
@@ -106,6 +106,7 @@ def test_round_trip_copy_edit_run_rerun(tmp_path):
     a = tmp_path / "A"
     saved = read_yaml(a / "config.yaml", config_class("finetune"), "finetune")   # the resolved config, readable by the loader
     assert saved["max_steps"] == 4 and saved["n_train"] == 64 and saved["output_dir"] == "A" and saved["method"] == "lora"
+    assert (saved["seed"], saved["lr"], saved["lora_rank"], saved["lora_targets"]) == (3, 0.004, 8, ("q_proj", "v_proj"))
     assert json.loads((a / "summary.json").read_text())["steps"] == 4
     ok("finetune", "--config", a / "config.yaml", "--output-dir", "B", "--quiet", cwd=tmp_path)
     b = tmp_path / "B"

@@ -192,8 +192,12 @@ def server(server_proc):
 
 
 def test_server_logprobs_and_weight_update(server, smollm2):
-    d, model, prompts, stops = smollm2
-    client = server.client()
+    _, model, prompts, stops = smollm2
+    with server.client() as client:   # close() removes the weights folder it wrote, even on failure
+        _server_checks(client, model, prompts, stops)
+
+
+def _server_checks(client, model, prompts, stops):
     tokens, logprobs = client.sample(prompts, n=N, max_tokens=MAX_TOKENS, temperature=1.0, stop_token_ids=stops)
     check_shape(tokens, logprobs, prompts, stops)
     assert gap(forward_logprobs(model, prompts, tokens, N), logprobs) < TOL     # the real checkpoint, over HTTP
@@ -212,4 +216,3 @@ def test_server_logprobs_and_weight_update(server, smollm2):
     tokens, logprobs = client.sample(prompts[:2], n=N, max_tokens=16, temperature=1.0, stop_token_ids=stops)
     assert gap(forward_logprobs(policy, prompts[:2], tokens, N), logprobs) < TOL
     assert gap(forward_logprobs(model, prompts[:2], tokens, N), logprobs) > 0.1
-    client.close()

@@ -96,7 +96,7 @@ class Pretrain(Objective):
         self._next += 1
         return to_device(b, tr.model.embed_tokens.weight.device)
     def loss(self, tr, b): return lm_loss_sum(tr.model, b, tr.loss_fn), {}
-    def optimizer_options(self, tr): return dict(betas=(0.9, 0.95))
+    def optimizer_options(self, tr): return dict(betas=(0.9, 0.95), fused=False)   # the loop AdamW that made the assets
 
 def fit(model: Transformer, loader,      # yields batch dicts (`make_loader`); restarted when exhausted
         steps: int, lr: float = 3e-3, warmup: int = 50,

@@ -48,7 +48,7 @@ def recipe_path(name) -> Path:
     if q.is_file(): return q
     names = [r.stem for r in RECIPES_DIR.glob("*.yaml")]
     close = difflib.get_close_matches(str(name), names, n=3, cutoff=0.5)
-    raise ValueError(f"no recipe {str(name)!r}" + (f"; did you mean {', '.join(close)}?" if close else "") +
+    raise ValueError(f"no recipe {str(name)!r}" + (f"; did you mean {', '.join(close)}?" if close else ";") +
                      " `tunebook config list` shows them all, or give a path to a .yaml file.")
 
 def load_recipe(name, **overrides):

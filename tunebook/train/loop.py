@@ -71,6 +71,7 @@ def _fit_owned(self: Trainer, progress: bool) -> dict:
     except NonFiniteError as e:
         bar.close()
         raise self.fail(str(e)) from None
+    finally: obj.close(self)   # generators and the like stop however the loop ends
     bar.close()
     last = self.save_checkpoint()
     after = self.evaluate()

@@ -74,6 +74,9 @@ class Objective:
         "Extra keys for summary.json."
         return {}
 
+    def close(self, tr) -> None:
+        "After the loop, however it ended (done, stopped, failed): stop what the objective started (generators...)." 
+
     def problems(self, config) -> list[str]:
         "Options this objective refuses beyond the config's own checks, each with its fix."
         return []

@@ -40,18 +40,28 @@ def forward_context(self: Trainer):
     return stack
 
 def _add_stats(acc: dict, stats: dict, weight: int):
-    "Accumulate (sum, count) per stat: a tensor counts its elements, a float is a sum over the micro-batch's `weight` units."
+    "Accumulate (sum, count) per stat: a tensor counts its elements, a float is a sum over the micro-batch's `weight` units; *_max: the max."
     for k, v in stats.items():
+        if k.endswith("_max"):
+            m = float(v.detach().max()) if torch.is_tensor(v) else float(v)
+            acc[k] = (max(acc[k][0], m) if k in acc else m, 1); continue
         s, n = acc.get(k, (0.0, 0))
         acc[k] = (s + float(v.detach().float().sum()), n + v.numel()) if torch.is_tensor(v) else (s + float(v), n + weight)
 
 def _mean_stats(acc: dict, world: int) -> dict:
     "Each stat's mean over the step's units (all ranks)."
     if not acc: return {}
-    keys = sorted(acc)
-    t = torch.tensor([x for k in keys for x in acc[k]], dtype=torch.float64)
-    if world > 1: dist.all_reduce(t)
-    return {k: (t[2 * i] / t[2 * i + 1]).item() if t[2 * i + 1] else float("nan") for i, k in enumerate(keys)}
+    keys = sorted(k for k in acc if not k.endswith("_max"))
+    out = {}
+    if keys:
+        t = torch.tensor([x for k in keys for x in acc[k]], dtype=torch.float64)
+        if world > 1: dist.all_reduce(t)
+        out = {k: (t[2 * i] / t[2 * i + 1]).item() if t[2 * i + 1] else float("nan") for i, k in enumerate(keys)}
+    if maxes := sorted(k for k in acc if k.endswith("_max")):
+        m = torch.tensor([acc[k][0] for k in maxes], dtype=torch.float64)
+        if world > 1: dist.all_reduce(m, op=dist.ReduceOp.MAX)
+        out.update({k: m[i].item() for i, k in enumerate(maxes)})
+    return out
 
 @patch
 def train_step(self: Trainer) -> dict:
