@@ -147,6 +147,11 @@ def _distill_loss(t):
     with torch.no_grad(): return t.loss_sum(t.micro_batch(0)).item()
 
 
+def _compiled(t):
+    from tunebook.compile import is_compiled
+    return all(is_compiled(b) for b in t.model.layers)
+
+
 def _device():
     if torch.cuda.is_available(): return ("cpu", lambda t, d: t.model.embed_tokens.weight.device.type == "cpu")
     return ("cuda:0", "CUDA is not available")   # honoured: asked for, it is checked and refused here
@@ -204,6 +209,7 @@ SHARED = {
     "optimizer_in_backward": lambda env: (None, lambda t, d: not isinstance(t.optimizer, torch.optim.AdamW) and isinstance(d.optimizer, torch.optim.AdamW)),
     "profile_memory": lambda env: (None, lambda t, d: "peak_bytes" in [t.train_step() for _ in range(3)][-1]
                                    and "peak_bytes" not in [d.train_step() for _ in range(3)][-1]),
+    "compile": lambda env: (None, lambda t, d: _compiled(t) and not _compiled(d)),   # every block runs compiled code
     "nproc": lambda env: ("2", "nproc=2"),   # one process here: refused, naming the launcher (tests/test_finetune_nproc runs it)
     "eval_samples": lambda env: ("1", lambda t, d: len(_evals(t)) == 1 < len(_evals(d))),
     "eval_every": lambda env: ("1", ("run", lambda s, t: [r.get("eval_accuracy") is not None for r in t.metrics] == [True] * t.step)),

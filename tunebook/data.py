@@ -108,7 +108,7 @@ def fit_max_seq_len(lengths: list[int],            # tokens of each example, as 
         if max_seq_len < 2: raise ValueError(f"max_seq_len={max_seq_len} is too small: a row needs at least 2 tokens.")
         if context and max_seq_len > context:
             raise ValueError(f"max_seq_len={max_seq_len} is beyond the model's context of {context} positions: set "
-                             f"max_seq_len={min(longest, context)} or less (or leave it unset to fit the data).")
+                             f"max_seq_len={context} or less (the longest example has {longest} tokens), or leave it unset to fit the data.")
         n, how = max_seq_len, "as set"
     elif context and longest > context: n, how = context, f"the model's context; the longest example has {longest} tokens"
     else: n, how = max(longest, 2), "the longest example"

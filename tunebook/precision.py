@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 # %% auto #0
-__all__ = ['PRECISIONS', 'TOLERANCE', 'BF16_CPU_FLAGS', 'cpu_flags', 'fast_bf16', 'Precision', 'resolve_precision',
-           'store_frozen_']
+__all__ = ['PRECISIONS', 'TOLERANCE', 'BF16_CPU_FLAGS', 'AUTO_MIN_WIDTH_CPU', 'cpu_flags', 'fast_bf16', 'Precision',
+           'resolve_precision', 'store_frozen_']
 
 # %% ../nbs/08d_precision.ipynb #4c72c24b
 PRECISIONS = ("fp32", "bf16", "bf16-mixed", "fp16-mixed", "auto")
@@ -92,10 +92,15 @@ class Precision:
     def __repr__(self): return f"Precision({self.name!r}, device_type={self.device_type!r})"
 
 # %% ../nbs/08d_precision.ipynb #dd97e58e
+# measured on this project's 2-core AMX CPU (bench/, issue 18): bf16-mixed ran 1.26x slower than fp32 on the 192-wide
+# embedded model and 1.5-2x faster on SmolLM2-135M (576 wide)
+AUTO_MIN_WIDTH_CPU = 512
+
 def resolve_precision(dtype: str | torch.dtype | None = "auto", # fp32 | bf16 | bf16-mixed | fp16-mixed | auto
                       device: str | torch.device = "cpu", # where the run trains
+                      width: int | None = None, # the model's hidden size, when known: auto weighs it on a CPU
                      ) -> Precision:
-    "The precision policy for `dtype` on `device`; `auto` is bf16-mixed where bf16 is fast, else fp32."
+    "The precision policy for `dtype` on `device`; `auto` is bf16-mixed where bf16 is fast (on a CPU: for a wide enough model), else fp32."
     dev = torch.device(device)
     if isinstance(dtype, torch.dtype):
         named = {torch.float32: "fp32", torch.bfloat16: "bf16"}
@@ -112,6 +117,9 @@ def resolve_precision(dtype: str | torch.dtype | None = "auto", # fp32 | bf16 | 
                          "use 'bf16-mixed', 'bf16' or 'fp32' there.")
     if key != "auto": return Precision(key, dev.type, "as asked", asked=str(dtype))
     ok, why = fast_bf16(dev)
+    if ok and dev.type == "cpu" and width is not None and width < AUTO_MIN_WIDTH_CPU:
+        return Precision("fp32", dev.type, f"{why}, but the model is {width} wide: on a CPU bf16 autocast pays only from about "
+                         f"{AUTO_MIN_WIDTH_CPU} (its casts outweigh the faster matmuls below that)", asked="auto")
     return Precision("bf16-mixed" if ok else "fp32", dev.type, why + ("" if ok else ": fp32 is faster here"), asked="auto")
 
 # %% ../nbs/08d_precision.ipynb #bae786d7

@@ -66,7 +66,7 @@ class ModelPart(Part):
     model: str = "embedded"              # "embedded", a builder name (random weights), a Hugging Face folder, or a hub name ORG/NAME
     tokenizer: str | None = None         # tokenizer folder; default: the model folder
     revision: str | None = None          # hub names (ORG/NAME): the branch, tag or commit; None: main
-    dtype: str = "fp32"                  # fp32, bf16, bf16-mixed (fp32 weights, bf16 autocast), fp16-mixed (CUDA) or auto (bf16-mixed where bf16 is fast, else fp32)
+    dtype: str = "auto"                  # fp32, bf16, bf16-mixed (fp32 weights, bf16 autocast), fp16-mixed (CUDA) or auto (bf16-mixed where bf16 is fast, else fp32)
     device: str = "auto"                 # auto (CUDA when available, else CPU), cpu, cuda or cuda:N
     seed: int = 0                        # seeds the weights of a built model, data order, LoRA init and sampling
 
@@ -199,6 +199,7 @@ class MemoryPart(Part):
     optimizer_in_backward: bool = False  # step each parameter inside backward and free its gradient at once
     profile_memory: bool = False         # bytes by category at every step's peak (slower); steps 1-2 always
     nproc: int = 1                       # processes, FSDP2-sharded (the CLI starts them with torchrun)
+    compile: bool = False                # torch.compile each transformer block and the chunked loss (regional; the first steps pay the compilation)
 
     def problems(self) -> list[str]:
         bad, o = [], self.opt

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import typing
 from pathlib import Path
@@ -15,12 +16,13 @@ from ..config import TrainConfig
 from ..core import get_device
 from ..precision import resolve_precision
 from ..data import SFTDataset, get_task, load_records, make_task, sft_split
-from ..model import BUILDERS, build_model
+from ..model import BUILDERS, build_model, get_config
 from ..rundir import warn
 from ..tokenizer import load_tokenizer
 
 # %% auto #0
-__all__ = ['resolve_name', 'load_model_and_tokenizer', 'check_vocab', 'DataSplit', 'exact_check', 'split_data', 'load_data']
+__all__ = ['resolve_name', 'model_width', 'load_model_and_tokenizer', 'check_vocab', 'DataSplit', 'exact_check', 'split_data',
+           'load_data']
 
 # %% ../../nbs/11c_train_load.ipynb #48a45590
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -34,12 +36,25 @@ def resolve_name(name, revision: str | None = None, kind: str = "model"):
     from tunebook.hub import resolve_model
     return str(resolve_model(s, revision=revision, kind=kind))
 
+def model_width(cfg, model=None) -> int | None:
+    "The hidden size of the model a config names, read without loading weights (None for a hub name not fetched yet)."
+    if model is not None: return getattr(model.config, "dim", None)
+    name = str(cfg.model)
+    if name.lower().replace("_", "-") in BUILDERS and not Path(name).exists(): return get_config(name).dim
+    if name == "embedded":
+        from tunebook.embedded import EMBEDDED_DIR
+        name = EMBEDDED_DIR
+    try: c = json.loads((Path(name).expanduser() / "config.json").read_text())
+    except (OSError, ValueError): return None
+    return c.get("hidden_size") or (c.get("text_config") or {}).get("hidden_size")
+
 def load_model_and_tokenizer(cfg: TrainConfig):
     "The model and tokenizer a config names (folders or hub names at `cfg.revision`), on its device and dtype."
     device = get_device(cfg.device)
-    dtype = resolve_precision(cfg.dtype, device).param_dtype   # fp32 master weights for the mixed modes, bf16 for bf16
     tok_rev = cfg.revision if cfg.tokenizer and not Path(str(cfg.tokenizer)).exists() else None
     cfg = dataclasses.replace(cfg, model=resolve_name(cfg.model, cfg.revision), tokenizer=resolve_name(cfg.tokenizer, tok_rev, "tokenizer"))
+    # fp32 master weights for the mixed modes (and for auto, whichever it picks), bf16 for bf16
+    dtype = resolve_precision(cfg.dtype, device, model_width(cfg)).param_dtype
     if cfg.model == "embedded":
         from tunebook.embedded import EMBEDDED_DIR
         path = EMBEDDED_DIR
@@ -99,7 +114,8 @@ def split_data(cfg: TrainConfig, tokenizer, context: int | None = None, **sft_op
         held = make_task(task.name, cfg.eval_samples, seed=cfg.seed, split="eval")
         evals = [dict(messages=_prompt_messages(r[cfg.prompt_field], cfg.system_prompt), answer=r["answer"],
                       where=f"{task.name} eval row {i}") for i, r in enumerate(held)]
-        train = SFTDataset(train, tokenizer, **kw)
+        try: train = SFTDataset(train, tokenizer, **kw)
+        except ValueError as e: raise ValueError(_flag_names(str(e))) from None
         return DataSplit(train, evals, task.check, _held_out(held, tokenizer, train, kw) if len(held) else None)
     rows = load_records(cfg.data)
     n_eval = min(cfg.eval_samples, int(len(rows) * cfg.eval_fraction))

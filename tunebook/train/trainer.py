@@ -18,6 +18,7 @@ from ..loggers import make_loggers
 from ..loss import ChunkedCrossEntropy
 from ..optim import adamw, fused_available, get_schedule, optimizer_in_backward
 from ..rundir import RunLock, data_fingerprint
+from .load import model_width
 from .objective import SFT, Objective
 
 # %% auto #0
@@ -43,7 +44,7 @@ class Trainer:
         self.baseline: dict = {}   # the "before" measurements: kept in checkpoints, so a resumed run reports the true ones
         self.lock = RunLock(self.out)
         self.loss_fn = self.offload = None  # set by _apply_memory_techniques
-        self.precision = resolve_precision(self.config.dtype, get_device(self.config.device))   # what runs in which dtype
+        self.precision = resolve_precision(self.config.dtype, get_device(self.config.device), model_width(self.config, model))   # what runs in which dtype
         self.scaler = self.precision.make_scaler()   # fp16-mixed only: the loss scaler
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.is_main = self.rank == 0
@@ -53,6 +54,8 @@ class Trainer:
         c, obj = self.config, self.objective
         seed_everything(c.seed)
         if self.model is None: self.model, tok = obj.load_model(self); self.tokenizer = self.tokenizer or tok
+        if c.dtype == "auto":   # re-resolved on the loaded model (a hub name's width is known only now); weights stay fp32 either way
+            self.precision = resolve_precision(c.dtype, get_device(c.device), model_width(c, self.model))
         if self.tokenizer is None and obj.needs_tokenizer: raise ValueError("pass a tokenizer together with a model object")
         obj.prepare_data(self)
         self._check_context()
@@ -121,7 +124,7 @@ class Trainer:
         c = self.config
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params: raise ValueError("nothing to train: no parameter requires grad")
-        hp = dict(lr=c.lr, weight_decay=c.weight_decay, fused=fused_available(params[0].device), **self.objective.optimizer_options(self))
+        hp = {"lr": c.lr, "weight_decay": c.weight_decay, "fused": fused_available(params[0].device), **self.objective.optimizer_options(self)}
         if getattr(c, "optimizer_in_backward", False):
             self.optimizer = optimizer_in_backward(self.model, torch.optim.AdamW, **hp)
         else:   # weight decay on matrices only, never on norms and biases (one policy for every run)
