@@ -57,3 +57,23 @@ def test_sliding_layers_cache_only_their_window(make_hf):
     a = generate(ours, prompt, max_new_tokens=12, temperature=1.0, num_samples=3, generator=torch.Generator().manual_seed(1))
     b = generate(ours, prompt.repeat(3, 1), max_new_tokens=12, temperature=1.0, generator=torch.Generator().manual_seed(1))
     assert a == b
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 5, None), (1.3, None, 0.8), (1.0, 8, 0.6), (0.5, None, 0.95)])
+def test_sampling_follows_transformers_filtered_distribution(temperature, top_k, top_p):
+    """The empirical distribution of `sample_next` equals transformers' temperature/top-k/top-p warped softmax."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    from tunebook.generate import sample_next
+    torch.manual_seed(3)
+    logits = torch.randn(1, 40) * 2
+    warped = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k is not None: warped = TopKLogitsWarper(top_k)(None, warped)
+    if top_p is not None: warped = TopPLogitsWarper(top_p)(None, warped)
+    want = warped.softmax(-1)[0]
+    n = 40_000
+    draws = sample_next(logits.expand(n, -1), temperature, top_k=top_k, top_p=top_p, generator=torch.Generator().manual_seed(0))
+    got = torch.bincount(draws, minlength=40).double() / n
+    assert set(draws.unique().tolist()) <= set(torch.nonzero(want > 0).flatten().tolist())   # nothing outside the kept set
+    assert (want > 0).sum() == (got > 0).sum() or want[got == 0].max() < 1e-3                 # every kept token is drawn
+    # 40k draws: the standard error of a frequency is <= 0.0025; 0.012 is ~5 of them
+    assert (got - want.double()).abs().max() < 0.012, (got - want.double()).abs().max()

@@ -44,16 +44,19 @@ def run(tmp_path_factory):
 
 
 def _csv_series(csv):
-    "metric name -> [(step, value)] from metrics.csv: its numeric columns, NaN cells left out, eval_accuracy apart."
+    "metric name -> [(step, value)] from metrics.csv: its numeric columns, NaN cells left out, the eval measures apart."
     out = {}
     for c in csv.columns:
-        if c in ("step", "eval_accuracy", "peak_phase"): continue
+        if c in ("step", "peak_phase", *EVALS): continue
         out[c] = [(int(s), float(v)) for s, v in zip(csv["step"], csv[c]) if not pd.isna(v)]
     return out
 
 
-def _evals(summary, steps):
-    return [(0, summary["eval_accuracy_before"]), (steps, summary["eval_accuracy_after"])]
+EVALS = ("eval_accuracy", "eval_loss")   # SFT's held-out measures: logged before training (step 0) and at the end
+
+
+def _evals(summary, steps, k="eval_accuracy"):
+    return [(0, summary[f"{k}_before"]), (steps, summary[f"{k}_after"])]
 
 
 def test_tensorboard_reads_back(run):
@@ -65,7 +68,7 @@ def test_tensorboard_reads_back(run):
     assert {"loss", "lr", "grad_norm", "tokens", "seconds", "peak_bytes"} <= set(series) and any(k.startswith("mem_") for k in series)
     for k, ref in series.items():
         assert [(e.step, e.value) for e in ea.Scalars(k)] == [(s, f32(v)) for s, v in ref], k
-    assert [(e.step, e.value) for e in ea.Scalars("eval_accuracy")] == [(s, f32(v)) for s, v in _evals(summary, 3)]
+    for k in EVALS: assert [(e.step, e.value) for e in ea.Scalars(k)] == [(s, f32(v)) for s, v in _evals(summary, 3, k)], k
     for k, v in summary.items():
         if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None:
             assert ea.Scalars(f"summary/{k}")[0].value == f32(v), k
@@ -83,7 +86,7 @@ def test_mlflow_reads_back(run):
     assert r.info.run_id == ml.run_id and r.info.status == "FINISHED"
     for k, ref in _csv_series(csv).items():
         assert sorted((m.step, m.value) for m in client.get_metric_history(r.info.run_id, k)) == ref, k
-    assert sorted((m.step, m.value) for m in client.get_metric_history(r.info.run_id, "eval_accuracy")) == _evals(summary, 3)
+    for k in EVALS: assert sorted((m.step, m.value) for m in client.get_metric_history(r.info.run_id, k)) == _evals(summary, 3, k), k
     want = _expected_config(cfg)
     assert {k: (v if isinstance(want[k], str) else json.loads(v)) for k, v in r.data.params.items()} == want
     art = out / "mlartifacts"
@@ -126,7 +129,7 @@ def test_wandb_reads_back(run):
     assert config == _expected_config(cfg)
     for k, ref in _csv_series(csv).items():
         assert [(s, history[s][k]) for s in sorted(history) if k in history[s]] == ref, k
-    assert [(s, history[s]["eval_accuracy"]) for s in sorted(history) if "eval_accuracy" in history[s]] == _evals(summary, 3)
+    for k in EVALS: assert [(s, history[s][k]) for s in sorted(history) if k in history[s]] == _evals(summary, 3, k), k
     for k, v in json.loads(json.dumps(summary)).items(): assert summ[k] == v, k
 
 

@@ -82,8 +82,8 @@ class LiveRun:
         self.rows.append(dict(row)); self.memory.append(step_memory(trainer))
         self.status = f"training: step {trainer.step}/{self.config.max_steps}"; self._notify()
 
-    def on_eval(self, trainer, acc):
-        self.evals.append((trainer.step, acc))
+    def on_eval(self, trainer, metrics):
+        self.evals.append((trainer.step, metrics.get("eval_accuracy", float("nan"))))
         if trainer.step: self.status = "evaluating and writing outputs"
         self._notify()
 

@@ -42,9 +42,9 @@ class TrackerLogger:
     def on_step(self, trainer, row: dict):
         if self._ensure_open(trainer): self._log(numeric_metrics(row), int(row["step"]))
 
-    def on_eval(self, trainer, accuracy: float):
-        if self._ensure_open(trainer) and accuracy is not None and not math.isnan(accuracy):
-            self._log({"eval_accuracy": float(accuracy)}, int(trainer.step))
+    def on_eval(self, trainer, metrics: dict):
+        finite = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        if self._ensure_open(trainer) and finite: self._log(finite, int(trainer.step))
 
     def on_end(self, trainer, summary: dict):
         if self._ensure_open(trainer):

@@ -137,8 +137,8 @@ class Trainer:
         "The objective's held-out metrics now (SFT: exact match of greedy answers and held-out loss); callbacks hear them."
         if not self.is_setup: self.setup()
         with self.precision.autocast(): metrics = self.objective.evaluate(self)   # the numerics training uses
-        for cb in self.callbacks:   # trackers log the exact match under eval_accuracy
-            if hasattr(cb, "on_eval"): cb.on_eval(self, metrics.get("eval_accuracy", float("nan")))
+        for cb in self.callbacks:   # trackers log every held-out measure (eval_accuracy, eval_loss, preference_accuracy...)
+            if hasattr(cb, "on_eval"): cb.on_eval(self, dict(metrics))
         return metrics
 
     def write_samples(self, results: list, **extra):
