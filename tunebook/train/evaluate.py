@@ -21,11 +21,8 @@ def encode_prompt(tokenizer, messages, use_chat_template: bool | None = None) ->
     return data_encode_prompt(tokenizer, messages, use_chat_template)
 
 def stop_ids(tokenizer) -> list[int]:
-    "Tokens that end an assistant turn: eos, and the chat template's end-of-turn token when there is one."
-    ids = {tokenizer.eos_id}
-    for t in ("<|im_end|>", "<|eot_id|>", "<|end|>"):
-        if (i := tokenizer.token_to_id(t)) is not None: ids.add(i)
-    return sorted(i for i in ids if i is not None)
+    "Tokens that end an assistant turn (eos and the vocabulary's end-of-turn tokens): the tokenizer's own `stop_ids`."
+    return tokenizer.stop_ids
 
 @torch.no_grad()
 def evaluate_accuracy(model, tokenizer, evals: list[dict], check, max_new_tokens: int = 16, batch_size: int = 32,
