@@ -138,9 +138,8 @@ def load_data(cfg: TrainConfig, tokenizer, **sft_options):
     "(train SFTDataset, eval rows as dicts with messages + answer + where, checker(completion, answer) -> bool); eval rows never train."
     return tuple(split_data(cfg, tokenizer, **sft_options))[:3]
 
-_DATA_SPELLING = {"eval_samples=": "--eval-samples ", "n_eval=": "--eval-samples ", "use_chat_template=False": "--no-chat-template",
+_DATA_SPELLING = {"eval_samples=": "--eval-samples ", "use_chat_template=False": "--no-chat-template",
                   "prompt_field=": "--prompt-field ", "response_field=": "--response-field ", "messages_field=": "--messages-field ",
-                  "prompt_column=": "--prompt-field ", "response_column=": "--response-field ", "messages_column=": "--messages-field ",
                   "max_seq_len=": "--max-seq-len "}
 
 def _flag_names(msg: str) -> str:
