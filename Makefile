@@ -41,8 +41,10 @@ notebooks: install
 	OMP_NUM_THREADS=1 $(BIN)/nbdev_test --path nbs --flags "$(FLAGS)" --n_workers 2 --timing
 	$(BIN)/nbdev_test --path index.ipynb --flags "$(FLAGS)" --timing
 
+# two pytest-xdist workers with one thread each (two torch processes with two threads each on two cores thrash);
+# --dist worksteal keeps both busy when the slow tests come last
 pytest: install bench-env
-	TUNEBOOK_BENCH_PY=$(abspath $(BENCHPY)) $(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 TUNEBOOK_BENCH_PY=$(abspath $(BENCHPY)) $(PY) -m pytest -q -n 2 --dist worksteal tests
 
 test: check notebooks pytest pytest-vllm
 

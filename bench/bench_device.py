@@ -1,6 +1,6 @@
 """The device table: tokens/s, peak memory and MFU of tunebook, torchtune and transformers + peft, per configuration.
 
-On a GPU it runs a Llama-3.2-1B-shaped model (random weights, untied output) in bf16, eager and with per-block
+On a GPU it runs a Llama-3.2-1B-shaped model (random weights; tied embeddings and Llama 3 RoPE scaling as released) in bf16, eager and with per-block
 torch.compile, with Liger kernels for transformers where they import; with `--smoke` it runs the same
 configurations on the CPU with a tiny shape, few steps and compile's "eager" backend, so the script cannot rot.
 
@@ -30,13 +30,18 @@ from peers import HFRun, TorchtuneRun, TunebookRun, bf16_matmul_peak, copy_lora_
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "GH200": 989e12, "B200": 2250e12, "A100": 312e12,
              "A800": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12, "RTX 4090": 165e12}  # dense, no sparsity
-SHAPES = {  # Hugging Face config fields
-    "llama3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                        num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0, rms_norm_eps=1e-5),
+LLAMA3_ROPE = dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)  # Llama 3.2's
+SHAPES = {  # Hugging Face config fields (rope_scaling: Llama 3 RoPE scaling; tie_word_embeddings: default untied)
+    "llama3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,  # as released:
+                        num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0, rms_norm_eps=1e-5,  # tied, Llama 3 RoPE
+                        tie_word_embeddings=True, max_position_embeddings=131072, rope_scaling=LLAMA3_ROPE),
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0, rms_norm_eps=1e-5),
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-5),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,  # tied + Llama 3 RoPE like the 1B
+                 num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-5,
+                 tie_word_embeddings=True, max_position_embeddings=131072, rope_scaling=LLAMA3_ROPE),
+    "tiny-untied": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,  # like SmolLM2's shape here
+                        num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-5),
 }
 RUNS = {"tunebook": TunebookRun, "torchtune": TorchtuneRun, "transformers+peft": HFRun}
 
@@ -52,8 +57,12 @@ def make_checkpoint(d, shape: dict, seq: int, init_std: float, dtype=torch.float
     "Random weights of `shape`, saved by transformers (made on `device`, stored in `dtype`); returns config.json."
     import transformers
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**shape, max_position_embeddings=max(2048, seq), tie_word_embeddings=False,
-                                   initializer_range=init_std)
+    shape = dict(shape)
+    scaling = shape.pop("rope_scaling", None)
+    if scaling: shape["rope_parameters"] = dict(rope_type="llama3", rope_theta=shape["rope_theta"], **scaling)
+    shape.setdefault("tie_word_embeddings", False)
+    shape["max_position_embeddings"] = max(shape.get("max_position_embeddings", 2048), seq)
+    cfg = transformers.LlamaConfig(**shape, initializer_range=init_std)
     with torch.device(device):
         m = transformers.LlamaForCausalLM(cfg)
     m.to(dtype).save_pretrained(d)

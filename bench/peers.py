@@ -118,6 +118,16 @@ class TunebookRun(Run):
 
 
 def _tt_config(cfg):
+    "torchtune builder arguments from a config.json; Llama 3 RoPE scaling (and 1.0 without it) as `scale_factor`."
+    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rp.get("rope_type", "default") not in ("default", "llama3"): raise ValueError(f"torchtune run: RoPE {rp} not supported here")
+    if rp.get("rope_type") == "llama3" and (rp.get("low_freq_factor"), rp.get("high_freq_factor"), rp.get("original_max_position_embeddings")) != (1.0, 4.0, 8192):
+        raise ValueError(f"torchtune's Llama3ScaledRoPE fixes low 1, high 4, original length 8192; got {rp}")
+    return dict(scale_factor=float(rp["factor"]) if rp.get("rope_type") == "llama3" else 1.0,
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), **_tt_base(cfg))
+
+
+def _tt_base(cfg):
     return dict(vocab_size=cfg["vocab_size"], num_layers=cfg["num_hidden_layers"], num_heads=cfg["num_attention_heads"],
                 num_kv_heads=cfg["num_key_value_heads"], embed_dim=cfg["hidden_size"], max_seq_len=cfg["max_position_embeddings"],
                 intermediate_dim=cfg["intermediate_size"], norm_eps=cfg["rms_norm_eps"], rope_base=cfg["rope_theta"])
@@ -132,7 +142,7 @@ class TorchtuneRun(Run):
         import json
         from safetensors.torch import load_file
         from torchtune.models.convert_weights import hf_to_tune
-        from torchtune.models.llama3 import llama3, lora_llama3
+        from torchtune.models.llama3_2._component_builders import llama3_2, lora_llama3_2
         from torchtune.modules.loss import CEWithChunkedOutputLoss
         from torchtune.modules.peft import get_adapter_params, set_trainable_params
         if precision == "amp": raise ValueError("torchtune runs in fp32 or bf16 weights; it has no autocast mode")
@@ -143,9 +153,10 @@ class TorchtuneRun(Run):
         torch.set_default_dtype(_weights_dtype(precision))
         try:
             with torch.device(device):
-                self.model = (lora_llama3(["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True,
-                                          apply_lora_to_output=False, lora_rank=rank, lora_alpha=alpha, lora_dropout=0.0, **kw)
-                              if method == "lora" else llama3(**kw))
+                # llama3_2's builders: llama3's layers, plus tied embeddings and Llama 3 RoPE scaling (scale_factor 1: plain RoPE)
+                self.model = (lora_llama3_2(["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True,
+                                            apply_lora_to_output=False, lora_rank=rank, lora_alpha=alpha, lora_dropout=0.0, **kw)
+                              if method == "lora" else llama3_2(**kw))
         finally:
             torch.set_default_dtype(old)
         sd = {}
@@ -228,20 +239,24 @@ def train_flops_per_token(cfg: dict, seq: int, method: str, rank: int = 16) -> f
     return 2 * (2 * linear) + 3 * (2 * attn) + 6 * adapters
 
 
-def bf16_matmul_peak(device, n=2048, seconds=1.0) -> float:
-    "FLOP/s of a loop of n x n x n bf16 matmuls here (the best of a few timed bursts)."
+def bf16_matmul_peak(device, n=2048, seconds=1.0, clock="wall") -> float:
+    """FLOP/s of a loop of n x n x n bf16 matmuls here (the best of a few timed bursts); clock="cpu": FLOP per second of
+    this process's CPU time (CPU only: what one thread does when it runs, far less swayed by other programs)."""
     import time
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    cuda = torch.device(device).type == "cuda"
+    if clock not in ("wall", "cpu") or (cuda and clock == "cpu"): raise ValueError(f"clock must be 'wall' (or 'cpu' on the CPU), got {clock!r}")
+    now = time.process_time if clock == "cpu" else time.perf_counter
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     a @ b; sync()
     best, t_end = 0.0, time.perf_counter() + seconds
-    reps = 20 if torch.device(device).type == "cuda" else 2
+    reps = 20 if cuda else 2
     while time.perf_counter() < t_end:
-        t0 = time.perf_counter()
+        t0 = now()
         for _ in range(reps): a @ b
         sync()
-        best = max(best, reps * 2 * n ** 3 / (time.perf_counter() - t0))
+        best = max(best, reps * 2 * n ** 3 / max(now() - t0, 1e-9))
     return best
 
 

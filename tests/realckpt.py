@@ -89,11 +89,19 @@ def _convert(gguf_dir: Path, gguf_name: str, out: Path):
 
 
 def _build(name: str, make_gguf) -> Path:
-    """Build the folder `name` once: `make_gguf(tmpdir) -> gguf file name`, convert, rename into place."""
+    """Build the folder `name` once: `make_gguf(tmpdir) -> gguf file name`, convert, rename into place. A file lock
+    (cache_root()/NAME.lock) makes concurrent processes (pytest-xdist workers) build it once: the others wait, then find it."""
+    from filelock import FileLock
     root = cache_root()
     final = root / f"{name}-{_VERSION}"
     if (final / "config.json").exists(): return final
     root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / f"{name}.lock")):
+        if (final / "config.json").exists(): return final   # built by another process while this one waited
+        return _build_locked(name, make_gguf, root, final)
+
+
+def _build_locked(name: str, make_gguf, root: Path, final: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}-build-"))
     try:
         gguf_dir = tmp / "gguf"; gguf_dir.mkdir()

@@ -1,5 +1,6 @@
 """Precision policies: each mode's loss and gradients against an fp32 full-logits reference, auto detection on this
-machine (read from /proc/cpuinfo here, independently), refusals, and the loss-scaling recipe the trainer uses."""
+machine (read from /proc/cpuinfo here, independently), refusals, and the loss-scaling recipe the trainer uses.
+(What each mode keeps in which dtype through real trainer steps, and exact resume in each: tests/test_modes.py.)"""
 import copy
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 from tunebook.lora import apply_lora
 from tunebook.loss import ChunkedCrossEntropy, cross_entropy_loss
 from tunebook.model import build_model, pico
-from tunebook.precision import PRECISIONS, TOLERANCE, Precision, fast_bf16, resolve_precision, store_frozen_
+from tunebook.precision import PRECISIONS, TOLERANCE, Precision, fast_bf16, resolve_precision, resume_problem, store_frozen_
 
 MODES = ("fp32", "bf16", "bf16-mixed")
 
@@ -75,22 +76,6 @@ def test_loss_and_grads_match_fp32_reference(mode, lora, chunked):
         assert rel(flat, flat_ref) > 1e-6
 
 
-def test_modes_keep_what_they_promise_through_a_step():
-    for mode, want_param, want_state in (("fp32", torch.float32, torch.float32), ("bf16", torch.bfloat16, torch.bfloat16),
-                                         ("bf16-mixed", torch.float32, torch.float32)):
-        m, tokens, labels = model_and_batch(lora=True)
-        p = resolve_precision(mode)
-        m = m.to(p.param_dtype)
-        opt = torch.optim.AdamW([q for q in m.parameters() if q.requires_grad], lr=1e-3)
-        with p.autocast():
-            h = m(tokens, return_hidden=True)
-            loss = ChunkedCrossEntropy(4)(h, m.output_weight, labels)
-        loss.backward(); opt.step()
-        st = next(iter(opt.state.values()))
-        assert {q.dtype for q in m.parameters()} == {want_param}, mode
-        assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == want_state, mode
-
-
 def test_auto_on_this_machine():
     text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     flags = {w for line in text.splitlines() if line.startswith("flags") for w in line.split(":", 1)[1].split()}
@@ -122,6 +107,19 @@ def test_refusals():
     with pytest.raises(ValueError, match="not a training precision"): resolve_precision(torch.float16)
     assert set(PRECISIONS) == {"fp32", "bf16", "bf16-mixed", "fp16-mixed", "auto"}
     for m in MODES: assert resolve_precision(m).make_scaler() is None
+
+
+def test_resume_compares_the_mode_that_trained_not_the_words():
+    "auto that chose bf16-mixed elsewhere must not resume as fp32 here; the same mode asked by name does."
+    gpu = Precision("bf16-mixed", "cuda", "bf16 tensor cores", asked="auto").record()
+    assert gpu == dict(name="bf16-mixed", asked="auto", device_type="cuda", reason="bf16 tensor cores")
+    here = Precision("fp32", "cpu", "no fast bf16", asked="auto")
+    msg = resume_problem(gpu, here)
+    assert "trained in bf16-mixed (dtype='auto' chose it on cuda)" in msg and "continue in fp32 (dtype='auto'" in msg
+    assert "--dtype bf16-mixed" in msg and "--output-dir" in msg
+    assert resume_problem(gpu, resolve_precision("bf16-mixed")) is None
+    assert resume_problem(None, here) is None and resume_problem(here.record(), resolve_precision("fp32")) is None
+    assert resume_problem(resolve_precision("bf16").record(), resolve_precision("bf16-mixed")) is not None
 
 
 def _train_scaled(scaler, steps=4, poison=None):

@@ -143,11 +143,18 @@ def test_finetune_jsonl_gains_and_answers_the_same_in_transformers(smol, hf, tmp
     data.write_text("".join(json.dumps(r) + "\n" for r in train_rows))
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "tunebook.cli", "finetune", "--model", str(smol), "--data", str(data),
-           "--max-steps", "40", "--batch-size", "8", "--lr", "2e-3", "--output-dir", str(out)]
-    # only model/data/steps/batch/lr: max_seq_len and max_new_tokens come from the data (issue 13)
+           "--max-steps", "40", "--output-dir", str(out)]
+    # only model/data/steps: max_seq_len and max_new_tokens come from the data, lr and batch size from the real-model
+    # LoRA recipe (bench/bench_defaults.py chose them on this checkpoint), all reported (issue 13)
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
+    from tunebook.config import TrainConfig
+    want = TrainConfig._recipes["lora"]
+    assert (s["recipe"], s["lr"], s["batch_size"]) == ("lora", want["lr"], want["batch_size"]), s
+    assert f"lr {want['lr']:g}, batch_size {want['batch_size']}" in r.stdout and "recipe: lr" in (out / "log.txt").read_text()
+    saved = TrainConfig.from_yaml(out / "config.yaml")   # a rerun from config.yaml sets the same values, explicitly
+    assert (saved.lr, saved.batch_size) == (want["lr"], want["batch_size"])
     # the defaults the data chose: every row whole (the longest, SmolLM2's default system prompt included), and room
     # for the longest held-out answer and its <|im_end|>, counted by transformers' tokenizer
     _, ht = hf

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 # %% auto #0
-__all__ = ['RMSNorm', 'GemmaRMSNorm', 'llama3_scaled_freqs', 'longrope_attention_factor', 'RotaryEmbedding', 'rotate_half',
-           'apply_rotary', 'KVCache', 'build_mask', 'Attention', 'FusedQKVAttention']
+__all__ = ['CPU_FP32_ATTENTION_MAX_LEN', 'RMSNorm', 'GemmaRMSNorm', 'llama3_scaled_freqs', 'longrope_attention_factor',
+           'RotaryEmbedding', 'rotate_half', 'apply_rotary', 'KVCache', 'build_mask', 'sdpa', 'Attention',
+           'FusedQKVAttention']
 
 # %% ../nbs/01_attention.ipynb #14013bd7
 class RMSNorm(nn.Module):
@@ -27,9 +28,7 @@ class RMSNorm(nn.Module):
     def reset_parameters(self): nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., dim) -> (..., dim)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)  # torch's op: x * rsqrt(mean(x^2) + eps)
 
 class GemmaRMSNorm(RMSNorm):
     "Gemma's RMSNorm: `x / rms(x) * (1 + weight)`, all in fp32, the weight starting at zero."
@@ -179,6 +178,19 @@ def build_mask(T: int, S: int | None = None,   # queries, keys (S >= T; S - T ke
     m = m | (k_idx == q_idx)[None]  # every query sees itself: no all-masked rows
     return m[:, None]
 
+# %% ../nbs/01_attention.ipynb #a24771ee
+CPU_FP32_ATTENTION_MAX_LEN = 256   # up to this many queries, a bf16/fp16 CPU training step runs SDPA in fp32 (measured above)
+
+def sdpa(q, k, v, mask=None, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False):
+    "`F.scaled_dot_product_attention`; a bf16/fp16 CPU training step of short sequences runs it in fp32 (faster there)."
+    if (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and torch.is_grad_enabled()
+            and (q.requires_grad or k.requires_grad or v.requires_grad) and q.shape[2] <= CPU_FP32_ATTENTION_MAX_LEN):
+        with torch.autocast("cpu", enabled=False):
+            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, is_causal=is_causal,
+                                               scale=scale, enable_gqa=enable_gqa)
+        return y.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
 # %% ../nbs/01_attention.ipynb #a6c1040a
 class Attention(nn.Module):
     "Multi-head attention with grouped KV heads, RoPE, SDPA, optional q/k norms, sliding window and KV cache."
@@ -224,9 +236,8 @@ class Attention(nn.Module):
             if mask is not None and mask.shape[-1] > k.shape[2]: mask = mask[..., -k.shape[2]:]
         if mask is None and self.sliding_window is not None and k.shape[2] > self.sliding_window:
             mask = build_mask(T, k.shape[2], sliding_window=self.sliding_window, device=x.device)
-        causal = mask is None and k.shape[2] == T
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
-                                           enable_gqa=self.n_kv_heads != self.n_heads)  # (B, H, T, hd)
+        causal = mask is None and (self.cache is None or k.shape[2] == T)   # no cache: no size comparison to guard on
+        y = sdpa(q, k, v, mask, causal, self.scale, self.n_kv_heads != self.n_heads)  # (B, H, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 class FusedQKVAttention(Attention):

@@ -66,6 +66,7 @@ def _finetune(args) -> int:
     trainer.setup()
     say(f"  {len(trainer.train_data)} training examples, {len(trainer.eval_data)} held out; "
           f"{trainer.n_trainable:,} trainable parameters", flush=True)
+    say(f"  {trainer.recipe['recipe_report']}", flush=True)   # lr and batch size: the recipe's for this model where unset, and why
     try:
         s = trainer.fit(progress=not args.quiet)
     except KeyboardInterrupt:

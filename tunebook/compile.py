@@ -34,6 +34,8 @@ class _CompiledForward:
     def __call__(self, *args):
         m, eager = self.module, type(self.module).forward
         if torch._C._len_torch_dispatch_stack(): return eager(m, *args)   # a memory tracker's dispatch mode: dynamo cannot trace it
+        if getattr(getattr(m, "self_attn", None), "cache", None) is not None:   # generation: the cache's position is a Python int
+            return eager(m, *args)   # dynamo would guard on it and recompile at every new token until its limit
         if self.kind == "block":
             x, cos, sin, mask = (*args, None)[:4]
             if mask is None and x.shape[1] > 1:   # an explicit causal mask: SDPA's is_causal would be a symbolic bool

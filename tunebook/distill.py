@@ -156,13 +156,17 @@ class DistillConfig(ModelPart, DataPart, AdapterPart, OptimPart, MemoryPart, Run
     "A distillation run: every part of a fine-tune (the data is SFT's), plus the teacher and the loss mix."
     model: str | None = None           # the student: None (a shrunk copy of the teacher's shape, random init), a builder name (with --tokenizer), or a folder
     method: str = "full"               # "full", "lora", "dora" or "qlora" (the student)
-    lr: float = 3e-3                   # AdamW's peak learning rate
+    lr: float | None = None            # AdamW's peak learning rate; None: the recipe's for the student and method (embedded-size 3e-3; a real model: LoRA 2e-3, full 5e-5), reported in the log
     max_steps: int = 200               # optimizer steps
     eval_samples: int = 50             # held-out prompts scored by exact match (and rows scored by KL and cross-entropy)
     output_dir: str = "runs/distill"   # the run folder: config, metrics, checkpoints, model
 
     _kind: typing.ClassVar[str] = "distillation"
     _command: typing.ClassVar[str] = "distill"
+    _recipes: typing.ClassVar[dict] = dict(   # what None lr / batch_size become (`Part.with_defaults`): SFT's for a real student, confirmed by a run
+        embedded=dict(lr=3e-3, batch_size=32, why="the embedded model's measured distillation recipe"),
+        lora=dict(lr=2e-3, batch_size=8, why="the real-model recipe with LoRA (SFT's, confirmed by bench/bench_defaults.py distill-lora on SmolLM2-135M)"),
+        full=dict(lr=5e-5, batch_size=8, why="the real-model recipe for full fine-tuning (SFT's)"))
 
 # %% ../nbs/12a_distill.ipynb #06de48e8
 @torch.no_grad()
@@ -249,7 +253,7 @@ class Distill(SFT):
 
     def summary(self, tr) -> dict:
         from tunebook.core import count_params
-        return dict(teacher_params=count_params(self.teacher), student_params=count_params(tr.model))
+        return dict(teacher_params=count_params(self.teacher), student_params=count_params(tr.model), **getattr(tr, "recipe", {}))
 
 # %% ../nbs/12a_distill.ipynb #0dee21e9
 class DistillTrainer(Trainer):

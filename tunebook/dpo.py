@@ -197,7 +197,8 @@ class DPO(Objective):
 
     def summary(self, tr) -> dict:
         c = tr.config
-        return dict(pair_loss=c.loss, beta=self.beta(c), label_smoothing=c.label_smoothing, **({"simpo_gamma": c.simpo_gamma} if c.loss == "simpo" else {}))
+        return dict(pair_loss=c.loss, beta=self.beta(c), label_smoothing=c.label_smoothing, **({"simpo_gamma": c.simpo_gamma} if c.loss == "simpo" else {}),
+                    **getattr(tr, "recipe", {}))   # lr and batch size, and why
 
 # %% ../nbs/12_dpo.ipynb #7ef73262
 @dataclass
@@ -227,15 +228,19 @@ class PairPart(Part):
 class DPOConfig(ModelPart, SourcePart, AdapterPart, OptimPart, MemoryPart, RunPart, PairPart):
     "A preference run on chosen/rejected pairs: the model, the pairs' source, adapter, optimisation, memory, run, and the pair loss."
     task: str | None = "count"          # synthetic task: the embedded model half-solves it, so its preferences carry signal (reverse: 0%, none)
-    lr: float = 1e-3                    # AdamW's peak learning rate
+    lr: float | None = None             # AdamW's peak learning rate; None: the recipe's for the model and method (embedded 1e-3; a real model: LoRA 5e-4, full 1e-5), reported in the log
     max_steps: int = 40                 # optimizer steps
-    batch_size: int = 16                # pairs per optimizer step (split over grad_accum_steps micro-batches and nproc processes)
+    batch_size: int | None = None       # pairs per optimizer step (split over grad_accum_steps micro-batches and nproc processes); None: the recipe's (embedded 16; a real model 8)
     warmup_steps: int = 5               # linear warmup from 0 to lr over this many steps
     eval_samples: int = 50              # held-out prompts whose generated answers are scored by exact match
     output_dir: str = "runs/dpo"        # the run folder: config, metrics, checkpoints, model
 
     _kind: typing.ClassVar[str] = "DPO"
     _command: typing.ClassVar[str] = "dpo"
+    _recipes: typing.ClassVar[dict] = dict(   # what None lr / batch_size become (`Part.with_defaults`), for every pair loss
+        embedded=dict(lr=1e-3, batch_size=16, why="the embedded model's measured DPO recipe"),
+        lora=dict(lr=5e-4, batch_size=8, why="the real-model DPO recipe with LoRA (bench/bench_defaults.py dpo-lora on SmolLM2-135M)"),
+        full=dict(lr=1e-5, batch_size=8, why="the real-model DPO recipe for full fine-tuning (DPO LoRA's lr scaled as SFT full is to SFT LoRA)"))
 
 # %% ../nbs/12_dpo.ipynb #511945e7
 class DPOTrainer(Trainer):

@@ -151,7 +151,7 @@ class KTO(Objective):
 
     def lead_metric(self, tr) -> str: return "preference_accuracy" if self.eval_pairs is not None else "reward_gap"
     def summary(self, tr) -> dict: return dict(beta=tr.config.beta, desirable_weight=tr.config.desirable_weight,
-                                               undesirable_weight=tr.config.undesirable_weight)
+                                               undesirable_weight=tr.config.undesirable_weight, **getattr(tr, "recipe", {}))
 
 # %% ../nbs/12c_preference_kto.ipynb #5fa16e25
 @dataclass
@@ -172,7 +172,7 @@ class KTOPart(Part):
             if getattr(self, k) <= 0: bad.append(f"{o(k)} must be > 0")
         for k in ("n_examples", "n_eval_pairs"):
             if getattr(self, k) < 1: bad.append(f"{o(k)} must be >= 1")
-        per = getattr(self, "batch_size", 2) // max(1, getattr(self, "nproc", 1))
+        per = (getattr(self, "batch_size", 2) or 8) // max(1, getattr(self, "nproc", 1))   # None: the recipe's, 8 or more
         if per < 2: bad.append(f"batch_size={getattr(self, 'batch_size', None)} over nproc={getattr(self, 'nproc', 1)} leaves {per} example per "
                                "process: KTO's reference point needs at least 2 to form mismatched pairs; raise --batch-size")
         return bad + super().problems()
@@ -181,15 +181,19 @@ class KTOPart(Part):
 class KTOConfig(ModelPart, SourcePart, AdapterPart, OptimPart, MemoryPart, RunPart, KTOPart):
     "A KTO run on unpaired desirable/undesirable answers: the model, the data source, adapter, optimisation, memory, run, and KTO's part."
     task: str | None = "count"          # synthetic task: the embedded model half-solves it, so its answers' labels carry signal
-    lr: float = 1e-3                    # AdamW's peak learning rate
+    lr: float | None = None             # AdamW's peak learning rate; None: the recipe's for the model and method (embedded 1e-3; a real model: LoRA 5e-4, full 1e-5), reported in the log
     max_steps: int = 40                 # optimizer steps
-    batch_size: int = 16                # examples per optimizer step (split over grad_accum_steps micro-batches and nproc processes)
+    batch_size: int | None = None       # examples per optimizer step (split over grad_accum_steps micro-batches and nproc processes); None: the recipe's (embedded 16; a real model 8)
     warmup_steps: int = 5               # linear warmup from 0 to lr over this many steps
     eval_samples: int = 50              # held-out prompts whose generated answers are scored by exact match
     output_dir: str = "runs/kto"        # the run folder: config, metrics, checkpoints, model
 
     _kind: typing.ClassVar[str] = "KTO"
     _command: typing.ClassVar[str] = "kto"
+    _recipes: typing.ClassVar[dict] = dict(   # what None lr / batch_size become (`Part.with_defaults`): DPO's, confirmed by a KTO run
+        embedded=dict(lr=1e-3, batch_size=16, why="the embedded model's measured KTO recipe"),
+        lora=dict(lr=5e-4, batch_size=8, why="the real-model KTO recipe with LoRA (DPO's choice, confirmed by bench/bench_defaults.py kto-lora on SmolLM2-135M)"),
+        full=dict(lr=1e-5, batch_size=8, why="the real-model KTO recipe for full fine-tuning (DPO's)"))
 
 class KTOTrainer(Trainer):
     "`Trainer` with the `KTO` objective."

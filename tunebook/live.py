@@ -260,7 +260,7 @@ def compare_techniques(base: TrainConfig, combos=("baseline", "chunked CE", "che
             if dev.type == "cuda": torch.cuda.reset_peak_memory_stats(dev)
             for _ in range(steps): tr.train_step()
             if dev.type == "cuda": peak, how = int(torch.cuda.max_memory_allocated(dev)), "torch.cuda.max_memory_allocated"
-            else: peak, how = _profiled_peak(cfg, loader)
+            else: peak, how = _profiled_peak(tr.config, loader)  # the resolved config (lr, batch filled in)
             secs = pd.Series([r["seconds"] for r in tr.metrics[1:]])
             toks = pd.Series([r["seq_tokens"] for r in tr.metrics[1:]])
             m = state_bytes(tr.model, tr.optimizer, cfg.optimizer_in_backward)

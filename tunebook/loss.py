@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 # %% auto #0
-__all__ = ['DW_FP32_ROWS', 'num_loss_tokens', 'cross_entropy_loss', 'ChunkedCrossEntropy']
+__all__ = ['num_loss_tokens', 'cross_entropy_loss', 'ChunkedCrossEntropy']
 
 # %% ../nbs/07_loss.ipynb #e0cdf040
 def num_loss_tokens(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -34,11 +34,6 @@ def cross_entropy_loss(logits: torch.Tensor, # (..., V) scores, any float dtype
     return total / num_loss_tokens(labels, ignore_index).clamp(min=1)
 
 # %% ../nbs/07_loss.ipynb #942a9da0
-def _softmax_(z: torch.Tensor) -> torch.Tensor:
-    "Softmax over the last dim, computed in place in `z` (no second logits-sized buffer)."
-    z.sub_(z.amax(-1, keepdim=True)).exp_()
-    return z.div_(z.sum(-1, keepdim=True))
-
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     "The matmul dtype: autocast's when it is on (fp64 is never cast), else the inputs' common dtype."
     common = torch.promote_types(hidden.dtype, weight.dtype)
@@ -50,20 +45,22 @@ def _no_autocast(device_type: str):
     "Autocast off inside the passes (inputs are cast explicitly, once); a no-op when it is off already."
     return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else contextlib.nullcontext()
 
-DW_FP32_ROWS = 512   # CPU: below this many rows per chunk, dW's (V, D) write dominates its bf16 matmul
-
-def _dw_in_fp32(h: torch.Tensor) -> bool:
-    "Accumulate a low-precision chunk's dW with one fp32 `addmm_` (exact products of its bf16 values, no temporary)?"
-    return h.device.type == "cpu" and h.shape[0] < DW_FP32_ROWS
+def _bounds(n: int, k: int) -> list[tuple[int, int]]:
+    "The non-empty (start, end) ranges of `tensor_split` of n items into k parts (host integers: no device sync)."
+    q, r = divmod(n, k)
+    ends = [(i + 1) * q + min(i + 1, r) for i in range(k)]
+    return [(a, b) for a, b in zip([0] + ends[:-1], ends) if b > a]
 
 class _ChunkedLinearCE(torch.autograd.Function):
-    "Sum (or mean) of cross-entropy over `hidden @ weight.T`, a chunk of the flattened tokens at a time, both passes."
+    "Sum (or mean) of cross-entropy over `hidden @ weight.T`: forward by chunks of tokens, backward by slices of the vocabulary."
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, num_chunks, ignore_index, normalizer, softcap=None):
         cdt = _compute_dtype(hidden, weight)
         acc = torch.promote_types(cdt, torch.float32)            # fp32, or fp64 for gradcheck
         total = torch.zeros((), dtype=torch.float64, device=hidden.device)
+        lse_all = torch.empty(labels.numel(), dtype=acc, device=hidden.device)   # (N,): all that backward needs of the logits
+        start = 0
         with _no_autocast(hidden.device.type):
             hs, w = hidden.reshape(-1, hidden.shape[-1]).to(cdt), weight.to(cdt)   # (N, D), (V, D): cast once per call
             for h, y in zip(hs.tensor_split(num_chunks), labels.reshape(-1).tensor_split(num_chunks)):
@@ -73,47 +70,50 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 z_y = z.gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)    # (n,) target logits
                 m = z.amax(-1, keepdim=True)
                 lse = z.sub_(m).exp_().sum(-1).log_() + m.squeeze(-1)           # fp32 logsumexp, in place
+                lse_all[start:start + h.shape[0]] = lse
                 total += torch.where(y != ignore_index, lse - z_y, 0.0).double().sum()
+                start += h.shape[0]
                 del z
-        ctx.save_for_backward(hidden, weight, labels, normalizer)
+        ctx.save_for_backward(hidden, weight, labels, normalizer, lse_all)
         ctx.num_chunks, ctx.ignore_index, ctx.softcap, ctx.cdt = num_chunks, ignore_index, softcap, cdt
         return (total / normalizer).to(acc)
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, weight, labels, normalizer = ctx.saved_tensors
+        hidden, weight, labels, normalizer, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
-        cdt, D = ctx.cdt, hidden.shape[-1]                       # the forward's dtype, autocast or not
+        cdt, D, V = ctx.cdt, hidden.shape[-1], weight.shape[0]   # the forward's dtype, autocast or not
         acc = torch.promote_types(cdt, torch.float32)
-        grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        scale = (grad.double() / normalizer).to(acc)
-        start = 0
+        y = labels.reshape(-1)
+        keep = y != ctx.ignore_index
+        coef = (keep.to(acc) * (grad.double() / normalizer).to(acc)).unsqueeze(-1)   # (N, 1): 0 on ignored tokens
+        gh = torch.zeros((y.numel(), D), dtype=acc, device=hidden.device) if need_h else None   # dh, summed over slices
+        grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if need_w else None
         with _no_autocast(hidden.device.type):
             hs, w = hidden.reshape(-1, D).to(cdt), weight.to(cdt)
-            gh = grad_h.view(-1, D) if need_h else None
-            for h, y in zip(hs.tensor_split(ctx.num_chunks), labels.reshape(-1).tensor_split(ctx.num_chunks)):
-                n = h.shape[0]
-                if n == 0: continue
-                z = (h @ w.t()).to(acc)                          # (n, V), recomputed
-                if ctx.softcap is None: dz, t_ = _softmax_(z), None
-                else:                                            # d(c tanh(z/c))/dz = 1 - tanh(z/c)^2
+            hs_w = hs.to(acc) if need_w and weight.dtype == acc else hs   # dW in the weight's dtype: fp32 products of the bf16 values
+            for v0, v1 in _bounds(V, ctx.num_chunks):
+                ws = w[v0:v1]                                     # (v, D) rows of the weight: a view, no copy
+                z = (hs @ ws.t()).to(acc)                         # (N, v): every token's logits for this slice
+                if ctx.softcap is None: t_, p = None, z.sub_(lse.unsqueeze(-1)).exp_()   # softmax, from the saved logsumexp
+                else:                                             # d(c tanh(z/c))/dz = 1 - tanh(z/c)^2
                     t_ = z.div_(ctx.softcap).tanh_()
-                    dz = _softmax_(t_ * ctx.softcap)             # a second chunk-sized buffer, only with a cap
-                keep = (y != ctx.ignore_index).unsqueeze(-1)     # (n, 1)
-                dz.scatter_add_(-1, y.clamp(min=0).unsqueeze(-1), -keep.to(dz.dtype))   # softmax - onehot
-                dz.mul_(keep * scale)
-                if t_ is not None: dz.mul_(t_.square_().neg_().add_(1))
+                    p = (t_ * ctx.softcap).sub_(lse.unsqueeze(-1)).exp_()   # a second slice-sized buffer, only with a cap
+                inside = keep & (y >= v0) & (y < v1)              # targets in this slice: softmax - onehot
+                p.scatter_add_(-1, (y - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1), -inside.to(acc).unsqueeze(-1))
+                p.mul_(coef)
+                if t_ is not None: p.mul_(t_.square_().neg_().add_(1))
                 del z, t_
-                if need_w and (cdt == acc or _dw_in_fp32(h)):     # one fp32 addmm in place: no (V, D) temporary
-                    grad_w.addmm_(dz.t(), h.to(acc)); dw_done = True
-                else: dw_done = False
-                dz = dz.to(cdt)
-                if need_h: gh[start:start + n] = dz @ w          # (n, D), 2-D
-                if need_w and not dw_done: grad_w.add_(dz.t() @ h)   # many rows: a bf16 matmul, summed in fp32
-                del dz
-                start += n
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None
+                dz = p if cdt == acc else p.to(cdt)               # the matmul dtype's copy, made once
+                if need_w:                                         # each slice of dW written once: K = N, no accumulator
+                    torch.mm((p if weight.dtype == acc else dz).t(), hs_w, out=grad_w[v0:v1])
+                if need_h:
+                    if cdt == acc: gh.addmm_(p, ws)
+                    else: gh.add_(dz @ ws)                         # a bf16 product per slice, summed in fp32
+                del p, dz
+        grad_h = gh.to(hidden.dtype).view(hidden.shape) if need_h else None
+        return grad_h, grad_w, None, None, None, None, None
+
 
 # %% ../nbs/07_loss.ipynb #c846608c
 class ChunkedCrossEntropy(nn.Module):

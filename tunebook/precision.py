@@ -12,9 +12,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .core import patch
+
 # %% auto #0
 __all__ = ['PRECISIONS', 'TOLERANCE', 'BF16_CPU_FLAGS', 'AUTO_MIN_WIDTH_CPU', 'cpu_flags', 'fast_bf16', 'Precision',
-           'resolve_precision', 'store_frozen_']
+           'resolve_precision', 'resume_problem', 'store_frozen_']
 
 # %% ../nbs/08d_precision.ipynb #4c72c24b
 PRECISIONS = ("fp32", "bf16", "bf16-mixed", "fp16-mixed", "auto")
@@ -121,6 +123,22 @@ def resolve_precision(dtype: str | torch.dtype | None = "auto", # fp32 | bf16 | 
         return Precision("fp32", dev.type, f"{why}, but the model is {width} wide: on a CPU bf16 autocast pays only from about "
                          f"{AUTO_MIN_WIDTH_CPU} (its casts outweigh the faster matmuls below that)", asked="auto")
     return Precision("bf16-mixed" if ok else "fp32", dev.type, why + ("" if ok else ": fp32 is faster here"), asked="auto")
+
+# %% ../nbs/08d_precision.ipynb #c6829e4b
+@patch
+def record(self: Precision) -> dict:
+    "What a checkpoint keeps of this policy: the mode it trained in, what was asked, the device type, why."
+    return dict(name=self.name, asked=self.asked, device_type=self.device_type, reason=self.reason)
+
+def resume_problem(saved: dict | None, now: Precision) -> str | None:
+    "Why a checkpoint that trained in `saved` (a `Precision.record()`) cannot resume under `now`; None when it can."
+    if not saved or saved.get("name") == now.name: return None   # a checkpoint from before precisions were recorded: the config decides
+    asked = f" (dtype={saved.get('asked')!r} chose it on {saved.get('device_type')})" if saved.get("asked") != saved["name"] else ""
+    here = f" (dtype={now.asked!r} resolves to it here: {now.reason})" if now.asked != now.name else ""
+    return (f"the checkpoint trained in {saved['name']}{asked}, but this run would continue in {now.name}{here}: "
+            f"its steps would not be the interrupted run's. Resume with --dtype {saved['name']} to continue exactly"
+            + ("" if saved["name"] != "fp16-mixed" or now.device_type == "cuda" else " (on a CUDA device)")
+            + ", or start a new run in another --output-dir.")
 
 # %% ../nbs/08d_precision.ipynb #bae786d7
 def _frozen_linear_weights(model: nn.Module):

@@ -19,14 +19,23 @@ from ..optim import SCHEDULES
 from ..records import FORMATS
 
 # %% auto #0
-__all__ = ['Part', 'ModelPart', 'SourcePart', 'SFTDataPart', 'DataPart', 'AdapterPart', 'BatchPart', 'StepPart', 'OptimPart',
-           'MemoryPart', 'RunPart', 'TrainConfig']
+__all__ = ['TUNED', 'REAL_MIN_WIDTH', 'recipe_name', 'Part', 'ModelPart', 'SourcePart', 'SFTDataPart', 'DataPart', 'AdapterPart',
+           'BatchPart', 'StepPart', 'OptimPart', 'MemoryPart', 'RunPart', 'TrainConfig']
 
 # %% ../../nbs/11b_config.ipynb #fba7b1a2
+TUNED = ("lr", "batch_size")   # the options a config may leave None for its recipe to fill (`Part.with_defaults`)
+REAL_MIN_WIDTH = 512           # hidden size from which a model takes the real-model recipe (SmolLM2-135M: 576; the embedded model: 192)
+
+def recipe_name(cfg, width: int | None = None) -> str:
+    "Which recipe fills a config's None lr / batch size: 'embedded' (the embedded model, or any narrower than REAL_MIN_WIDTH), else 'full' or 'lora' (LoRA, DoRA, QLoRA)."
+    small = width < REAL_MIN_WIDTH if width is not None else str(getattr(cfg, "model", "embedded")) == "embedded"
+    return "embedded" if small else ("full" if getattr(cfg, "method", "lora") == "full" else "lora")
+
 class Part:
     "Base of every config part: the chain of `problems()`, how an error names an option, dict and YAML output."
     _kind: typing.ClassVar[str] = "training"    # names the options in the error
     _ignores: typing.ClassVar[dict] = {}       # transition only: options a subclass of TrainConfig does not use, with why
+    _recipes: typing.ClassVar[dict] = {}       # recipe name -> values (and why) for the TUNED options left None; see `with_defaults`
 
     def problems(self) -> list[str]:
         "What is wrong with these options, each with its fix (each part adds its own, then calls the next)."
@@ -41,6 +50,23 @@ class Part:
     def opt(self, k: str) -> str:
         "`name=value (--flag)`: how an error names an option for both Python and CLI users."
         return f"{k}={getattr(self, k)!r} (--{k.replace('_', '-')})"
+
+    def with_defaults(self, width: int | None = None) -> tuple["Part", dict]:
+        "This config with each TUNED option left None set from its recipe for a model `width` wide, and what was chosen and why."
+        unset = [k for k in TUNED if k in self.__dataclass_fields__ and getattr(self, k) is None]
+        given = [k for k in TUNED if k in self.__dataclass_fields__ and k not in unset]
+        name = recipe_name(self, width)
+        r = self._recipes.get(name, {})
+        if missing := [k for k in unset if k not in r]:
+            raise ValueError(f"{type(self).__name__} has no {name!r} recipe value for {', '.join(missing)}: set {', '.join('--' + k.replace('_', '-') for k in missing)}")
+        vals = {k: r[k] for k in unset}
+        n = getattr(self, "nproc", 1) or 1
+        if vals.get("batch_size", 0) % n: vals["batch_size"] += n - vals["batch_size"] % n   # each process an equal share
+        said = ", ".join(f"{k} {v:g}" for k, v in vals.items())
+        why = (f"{said} (left unset: {r.get('why', name)})" if vals else "") + \
+              ("; " if vals and given else "") + (f"{' and '.join(given)} as given" if given else "")
+        return (dataclasses.replace(self, **vals) if vals else self), dict(recipe=name if vals else "as given", **{k: getattr(self, k) for k in given},
+                                                                          **vals, recipe_report=why)
 
     def to_dict(self) -> dict:
         "The options as a dict (without those this kind of run ignores)."
@@ -152,10 +178,10 @@ class AdapterPart(Part):
 @dataclass
 class BatchPart(Part):
     "The batch: rows per optimizer step."
-    batch_size: int = 32                 # rows per optimizer step (split over grad_accum_steps micro-batches and nproc processes)
+    batch_size: int | None = None        # rows per optimizer step (split over grad_accum_steps micro-batches and nproc processes); None: the recipe's for the model (embedded 32; a real model 8), reported in the log
 
     def problems(self) -> list[str]:
-        bad = [f"{self.opt('batch_size')} must be >= 1"] if self.batch_size < 1 else []
+        bad = [f"{self.opt('batch_size')} must be >= 1"] if self.batch_size is not None and self.batch_size < 1 else []
         return bad + super().problems()
 
 @dataclass
@@ -163,7 +189,7 @@ class StepPart(Part):
     "Optimizer steps: how many, accumulation, AdamW, schedule and clipping."
     max_steps: int = 500                 # optimizer steps
     grad_accum_steps: int = 1            # micro-batches accumulated into each optimizer step
-    lr: float = 5e-3                     # AdamW's peak learning rate
+    lr: float | None = None              # AdamW's peak learning rate; None: the recipe's for the model and method (embedded 5e-3; a real model: LoRA/DoRA/QLoRA 2e-3, full 5e-5), reported in the log
     weight_decay: float = 0.0            # AdamW's decoupled weight decay
     warmup_steps: int = 20               # linear warmup from 0 to lr over this many steps
     schedule: str = "cosine"             # "cosine", "linear" or "constant" after warmup
@@ -176,7 +202,7 @@ class StepPart(Part):
             if getattr(self, k) < 1: bad.append(f"{o(k)} must be >= 1")
         for k, zero in (("warmup_steps", "no warmup"), ("weight_decay", "none")):
             if getattr(self, k) < 0: bad.append(f"{o(k)} must be >= 0 (0 = {zero})")
-        if self.lr <= 0: bad.append(f"{o('lr')} must be > 0")
+        if self.lr is not None and self.lr <= 0: bad.append(f"{o('lr')} must be > 0")
         if self.max_grad_norm is not None and self.max_grad_norm < 0:
             bad.append(f"{o('max_grad_norm')} must be > 0 to clip, or 0 for no clipping (a negative norm flips every gradient)")
         if self.schedule not in SCHEDULES: bad.append(f"{o('schedule')}: use one of {', '.join(sorted(SCHEDULES))}")
@@ -245,6 +271,10 @@ class RunPart(Part):
 class TrainConfig(ModelPart, DataPart, AdapterPart, OptimPart, MemoryPart, RunPart):
     "Everything that defines a fine-tuning run."
     _command: typing.ClassVar[str] = "finetune"   # the subcommand a YAML file of this config is for
+    _recipes: typing.ClassVar[dict] = dict(       # what None lr / batch_size become (`with_defaults`); bench/bench_defaults.py measured the real ones
+        embedded=dict(lr=5e-3, batch_size=32, why="the embedded model's measured recipe"),
+        lora=dict(lr=2e-3, batch_size=8, why="the real-model recipe for LoRA, DoRA and QLoRA (bench/bench_defaults.py sft-lora on SmolLM2-135M)"),
+        full=dict(lr=5e-5, batch_size=8, why="the real-model recipe for full fine-tuning (bench/bench_defaults.py sft-full on SmolLM2-135M)"))
 
     def problems(self) -> list[str]:
         return super().problems() + self._ignored_problems()

@@ -82,8 +82,9 @@ class CompareConfig(Part):
 
     def base_config(self) -> TrainConfig:
         "The training config each combination starts from (validated: bad sizes stop here)."
-        return TrainConfig(model=self.model, method=self.method, batch_size=self.batch_size, max_seq_len=self.max_seq_len,
-                           packing=True, eval_samples=0, output_dir=self.output_dir).validate()
+        cfg = TrainConfig(model=self.model, method=self.method, batch_size=self.batch_size, max_seq_len=self.max_seq_len,
+                          packing=True, eval_samples=0, output_dir=self.output_dir)
+        return cfg.with_defaults()[0].validate()   # lr: the recipe's for the model by name (the profiler's optimizer needs one)
 
 # %% ../../nbs/11b2_commands.ipynb #db6041de
 COMMANDS = ("finetune", "dpo", "kto", "distill", "grpo", "estimate", "compare")   # the subcommands whose options are a config class

@@ -57,13 +57,18 @@ class GRPO(Objective):
     "GRPO: each micro-batch is a rollout (sampled here, or by generator processes); the loss is one of `LOSS_TYPES`."
     name, lead = "grpo", "eval_reward"
 
-    def __init__(self, prompts=None, eval_prompts=None, reward_fn=None):
+    def __init__(self, prompts=None, eval_prompts=None, reward_fn=None,
+                 engine=None):  # a started sampler (e.g. `VLLMGenerator`) for a sync generator='vllm' run: used, left open
         self.prompts, self.eval_prompts, self.reward_fn = prompts, eval_prompts, reward_fn
-        self.pool, self.engine, self.reference, self.snapshots, self.published = None, None, None, {}, None
+        self.pool, self.engine, self.reference, self.snapshots, self.published = None, engine, None, {}, None
+        self.own_engine, self.loaded = engine is None, None   # loaded: the learner step whose weights the engine holds
         self.counters = dict(samples=0, dropped_stale=0, max_staleness_used=0)
 
     def problems(self, config) -> list[str]:
         bad = []
+        if not self.own_engine and (config.generator != "vllm" or config.async_mode):
+            bad.append("engine= is a started vLLM generator for a synchronous run: set generator='vllm' and async_mode=False "
+                       "(async generators start their own engines in their processes)")
         if config.generator == "vllm":
             from tunebook.grpo.workers import vllm_problems
             bad += vllm_problems(config)
@@ -115,19 +120,21 @@ def start_pool(self: GRPO, tr):
 
 @patch
 def sync_engine(self: GRPO, tr):
-    "Synchronous vllm backend: start this process's engine once, then load the learner's weights when its step moved."
+    "Synchronous vllm backend: start this process's engine once (or take the given one), then load the learner's weights when its step moved."
     from tunebook.grpo.workers import start_vllm
     if self.engine is None:
-        self.engine = start_vllm(tr.model, tr.tokenizer, tr.config.seed, tr.config.generator_dtype)
-        self.engine.version = tr.step
+        self.engine, self.own_engine = start_vllm(tr.model, tr.tokenizer, tr.config.seed, tr.config.generator_dtype), True
+        self.loaded = self.engine.version = tr.step   # started on the learner's weights
         self.counters["generator_startup_seconds"] = self.engine.startup_seconds
         warn(f"the vllm generator started in {self.engine.startup_seconds:.1f} s")
-    if self.engine.version != tr.step: self.engine.update_weights(tr.model, version=tr.step)
+    if self.loaded != tr.step:   # a given engine holds whatever it was last given: load the learner's weights first
+        self.engine.update_weights(tr.model, version=tr.step); self.loaded = tr.step
 
 @patch
 def close(self: GRPO, tr):
     "Stop the generators (if any) and give the learner its threads back."
-    if self.engine is not None: self.engine.close(); self.engine = None
+    if self.engine is not None and self.own_engine: self.engine.close(); self.engine = None
+    self.loaded = None
     if self.pool is None or self.pool.queue is None: return
     self.pool.stop()
     for k in ("dropped_stale", "max_staleness_used"): self.counters[k] = self.pool.counters[k]
@@ -229,8 +236,10 @@ def summary(self: GRPO, tr) -> dict:
 class GRPOTrainer(Trainer):
     "GRPO through the one training loop: `Trainer` with the `GRPO` objective (sync or async sampling)."
     def __init__(self, config: GRPOConfig | None = None, model=None, tokenizer=None, prompts=None, eval_prompts=None,
-                 reward_fn=None, callbacks=()):
-        super().__init__(config or GRPOConfig(), model, tokenizer, callbacks=callbacks, objective=GRPO(prompts, eval_prompts, reward_fn))
+                 reward_fn=None, callbacks=(),
+                 engine=None):  # a started `VLLMGenerator` on the same architecture (sync, generator='vllm'): shared by runs, not closed
+        super().__init__(config or GRPOConfig(), model, tokenizer, callbacks=callbacks,
+                         objective=GRPO(prompts, eval_prompts, reward_fn, engine))
 
     @property
     def workers(self) -> list:

@@ -113,10 +113,13 @@ def generator_worker(rank, model_config, lora, ref_state, shared, version, lock,
 class GeneratorPool:
     "Generator processes sampling rollouts with the newest published policy into a bounded queue."
     def __init__(self, model, tokenizer, reference, prompts, reward_fn, num_generators: int = 1, queue_size: int = 2,
-                 max_staleness: int = 2, worker_timeout: float = 120.0, seed: int = 0, **opts):
+                 max_staleness: int = 2, worker_timeout: float = 120.0, seed: int = 0,
+                 start_timeout: float = 900.0,  # the first rollout may wait this long: a vLLM engine starts in 0.5-3.5 minutes here
+                 **opts):
         self.model, self.tokenizer, self.reference, self.prompts, self.reward_fn = model, tokenizer, reference, prompts, reward_fn
         self.num_generators, self.queue_size, self.max_staleness, self.worker_timeout = num_generators, queue_size, max_staleness, worker_timeout
         self.seed, self.opts, self.workers, self.queue = seed, opts, [], None
+        self.start_timeout, self.started = start_timeout, False   # started: a rollout has come (start-up is over)
         self.counters = dict(dropped_stale=0, max_staleness_used=0)
 
     def start(self, version: int = 0) -> "GeneratorPool":
@@ -163,9 +166,12 @@ class GeneratorPool:
             try: ro = self.queue.get(timeout=0.5)
             except queue_mod.Empty:
                 self.check()
-                if (waited := time.perf_counter() - t0) > self.worker_timeout:
-                    raise TimeoutError(f"no rollout from the generators for {waited:.0f} s")
+                limit = self.worker_timeout if self.started else max(self.worker_timeout, self.start_timeout)
+                if (waited := time.perf_counter() - t0) > limit:
+                    raise TimeoutError(f"no rollout from the generators for {waited:.0f} s"
+                                       + ("" if self.started else " (their start-up included: GeneratorPool(start_timeout=))"))
                 continue
+            self.started = True
             ro["staleness"] = version - ro["version"]
             if ro["staleness"] > self.max_staleness:
                 self.counters["dropped_stale"] += 1; continue

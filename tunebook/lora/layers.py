@@ -70,7 +70,7 @@ def forward(self: LoRALinear, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> 
     xa = self.lora_dropout(x.to(self.lora_A.weight.dtype))
     lora = self.lora_B(self.lora_A(xa))  # (..., r) -> (..., out)
     if self.lora_magnitude_vector is None:
-        return (y + lora * self.scaling).to(y.dtype)
+        return torch.add(y, lora, alpha=self.scaling).to(y.dtype)  # one fused add-scale: one rounding, no temporary
     W = self.base_weight(xa.dtype)
     lw = (self.lora_B.weight @ self.lora_A.weight).detach()
     norm = torch.linalg.norm(W + self.scaling * lw, dim=1).to(W.dtype).detach()  # (out,), a constant in backward

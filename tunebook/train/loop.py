@@ -71,7 +71,8 @@ def _fit_owned(self: Trainer, progress: bool) -> dict:
     except NonFiniteError as e:
         bar.close()
         raise self.fail(str(e)) from None
-    finally: obj.close(self)   # generators and the like stop however the loop ends
+    finally:   # generators, a batch built ahead and the like stop however the loop ends
+        self.stop_prefetch(); obj.close(self)
     bar.close()
     last = self.save_checkpoint()
     after = self.evaluate()

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..checkpoint import _atomic_dir, publish_dir
 from ..core import patch
+from ..precision import resume_problem
 from ..rundir import SaveFailed, warn
 from .trainer import Trainer
 
@@ -39,7 +40,7 @@ def _set_rng_state(s: dict):
 def _progress(self: Trainer) -> dict:
     "What progress.json holds: step, metrics, options, the baseline measurements and the data's fingerprint."
     return dict(step=self.step, metrics=self.metrics, config=self.config.to_dict(), baseline=self.baseline,
-                data_sha256=getattr(self, "data_sha256", None))
+                data_sha256=getattr(self, "data_sha256", None), precision=self.precision.record())
 
 @patch
 def save_checkpoint(self: Trainer, keep: int = 2) -> Path:
@@ -106,13 +107,17 @@ _MAY_CHANGE = ("resume", "max_steps", "save_every", "eval_every", "log_every", "
 @patch
 def _check_same_run(self: Trainer, path: Path, prog: dict):
     "Refuse to resume with other options, or on other data, than the run that wrote `path`."
-    now = self.config.to_dict()
+    now, saved = self.config.to_dict(), prog.get("precision")
+    # a checkpoint that recorded the precision it trained in is judged by that, not by the dtype string asked for:
+    # dtype=auto that chose bf16-mixed resumes under --dtype bf16-mixed, and refuses where auto would now pick fp32
+    skip = _MAY_CHANGE + (("dtype",) if saved else ())
     changed = {k: (v, now.get(k)) for k, v in prog["config"].items()
-               if k not in _MAY_CHANGE and json.dumps(v) != json.dumps(now.get(k))}
+               if k not in skip and json.dumps(v) != json.dumps(now.get(k))}
     if changed:
         raise ValueError(f"cannot resume from {path}: options differ from the run that wrote it: "
                          + ", ".join(f"{k} was {a!r}, now {b!r}" for k, (a, b) in changed.items())
                          + ". Use the same options, or start a new run in another --output-dir.")
+    if (msg := resume_problem(saved, self.precision)): raise ValueError(f"cannot resume from {path}: {msg}")
     was, now_sha = prog.get("data_sha256"), getattr(self, "data_sha256", None)
     if was and now_sha and was != now_sha:
         raise ValueError(f"cannot resume from {path}: the data file {self.config.data} changed since that run started "

@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -17,10 +18,42 @@ from ..core import patch
 from ..data import IGNORE_INDEX
 from ..memory.profile import step_micro_batches
 from ..rundir import NonFiniteError, nonfinite_report
+from .objective import SFT
 from .trainer import Trainer
 
 # %% auto #0
 __all__ = ['profile_config']
+
+# %% ../../nbs/11g_train_step.ipynb #4908c196
+def _pure_batches(obj) -> bool:
+    "Whether the objective's `batch(tr, g)` depends on g alone (no rollouts, no stream state): SFT's, or one that says so."
+    return getattr(obj, "pure_batches", type(obj).batch is SFT.batch)
+
+@patch
+def build_step_batches(self: Trainer, step: int) -> tuple[list, list]:
+    "The micro-batches of optimizer step `step` and their weights (units each covers)."
+    c, obj = self.config, self.objective
+    batches = [obj.batch(self, step * c.grad_accum_steps + k) for k in range(c.grad_accum_steps)]
+    return batches, [obj.weight(self, b) for b in batches]
+
+@patch
+def step_batches(self: Trainer) -> tuple[list, list]:
+    "This step's micro-batches and weights; with prefetching, taken from the background build and the next step's started."
+    ahead, self._ahead = getattr(self, "_ahead", None), None
+    out = ahead[1].result() if ahead is not None and ahead[0] == self.step else self.build_step_batches(self.step)
+    on = getattr(self, "prefetch", None)   # None: on where it pays (CUDA) for objectives whose batches are pure
+    if on is None: on = self.model.embed_tokens.weight.device.type == "cuda" and _pure_batches(self.objective)
+    if on and self.step + 1 < self.config.max_steps:
+        if getattr(self, "_prefetcher", None) is None: self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="tunebook-batches")
+        self._ahead = (self.step + 1, self._prefetcher.submit(self.build_step_batches, self.step + 1))
+    return out
+
+@patch
+def stop_prefetch(self: Trainer):
+    "Drop a batch built ahead and end the background thread (the loop calls it however it ends)."
+    ahead, self._ahead = getattr(self, "_ahead", None), None
+    if ahead is not None: ahead[1].cancel()
+    if getattr(self, "_prefetcher", None) is not None: self._prefetcher.shutdown(wait=True); self._prefetcher = None
 
 # %% ../../nbs/11g_train_step.ipynb #63caeefb
 @patch
@@ -40,13 +73,36 @@ def forward_context(self: Trainer):
     return stack
 
 def _add_stats(acc: dict, stats: dict, weight: int):
-    "Accumulate (sum, count) per stat: a tensor counts its elements, a float is a sum over the micro-batch's `weight` units; *_max: the max."
+    "Collect each stat's parts (kept on the device, no transfer): a tensor counts its elements, a float is a sum over `weight` units; *_max: the max."
     for k, v in stats.items():
+        parts, n = acc.get(k, ([], 0))
+        if k.endswith("_max"): parts.append(v.detach().max() if torch.is_tensor(v) else float(v)); n = 1
+        elif torch.is_tensor(v): parts.append(v.detach().float().sum()); n += v.numel()
+        else: parts.append(float(v)); n += weight
+        acc[k] = (parts, n)
+
+def _fetch(*groups: list) -> list[list]:
+    "Each list's device scalars as Python numbers in one transfer per device (floats pass through): the step's one host sync."
+    flat = [x for g in groups for x in g if torch.is_tensor(x)]
+    by_dev = {}
+    for x in flat: by_dev.setdefault(x.device, []).append(x)
+    host = {d: iter(torch.stack([x.double().reshape(()) for x in xs]).tolist()) for d, xs in by_dev.items()}
+    return [[next(host[x.device]) if torch.is_tensor(x) else x for x in g] for g in groups]
+
+def _reduce_stats(acc: dict, values: dict) -> dict:
+    "(sum, count) per stat from its fetched parts, added (or maxed) in micro-batch order as the per-micro-batch floats were."
+    out = {}
+    for k, (parts, n) in acc.items():
+        vals = values[k]
         if k.endswith("_max"):
-            m = float(v.detach().max()) if torch.is_tensor(v) else float(v)
-            acc[k] = (max(acc[k][0], m) if k in acc else m, 1); continue
-        s, n = acc.get(k, (0.0, 0))
-        acc[k] = (s + float(v.detach().float().sum()), n + v.numel()) if torch.is_tensor(v) else (s + float(v), n + weight)
+            m = vals[0]
+            for v in vals[1:]: m = max(m, v)
+            out[k] = (m, 1)
+        else:
+            s = 0.0
+            for v in vals: s = s + v
+            out[k] = (s, n)
+    return out
 
 def _mean_stats(acc: dict, world: int) -> dict:
     "Each stat's mean over the step's units (all ranks)."
@@ -69,33 +125,40 @@ def train_step(self: Trainer) -> dict:
     if not self.is_setup: self.setup()
     c, obj, t0 = self.config, self.objective, time.perf_counter()
     self.model.train()
-    batches = [obj.batch(self, self.step * c.grad_accum_steps + k) for k in range(c.grad_accum_steps)]
-    weights = [obj.weight(self, b) for b in batches]
+    batches, weights = self.step_batches()
     n_local = sum(weights)   # the step divides the summed loss by the units of all its micro-batches (and ranks)
     tracker, acc, sums = self._memory_tracker(), {}, []
     self.last_tracker = tracker
     def loss_of(b):
         loss_sum, stats = obj.loss(self, b)
-        sums.append(loss_sum.item()); _add_stats(acc, stats, weights[len(sums) - 1])
+        sums.append(loss_sum.detach()); _add_stats(acc, stats, weights[len(sums) - 1])   # kept on the device
         return loss_sum, stats
     scale = self.scaler.scale if self.scaler is not None else (lambda l: l)   # fp16-mixed: the loss scaled up
     backward = lambda l: scale(l / max(n_local, 1)).backward()
     if self.world > 1:
         from tunebook.distributed import dp_loss
         backward = lambda l: scale(dp_loss(l, n_local)).backward()   # FSDP averages gradients: scale to the global mean
+    oib = getattr(c, "optimizer_in_backward", False)
+    counts = [(b["labels"] != IGNORE_INDEX).sum() for b in batches if "labels" in b]
     with tracker if tracker is not None else contextlib.nullcontext():
         step_micro_batches(batches, loss_of, max(n_local, 1), None if tracker is None else (lambda p: setattr(tracker, "phase", p)),
                            self.forward_context, backward)
-        total = sum(sums)
+        norm = None
+        if not oib:
+            if self.scaler is not None: self.scaler.unscale_(self.optimizer)
+            norm = self.clip_grads()
+        keys = list(acc)   # one transfer: the loss sums, the stats, the gradient norm and the token counts
+        host_sums, host_norm, host_counts, *host_stats = _fetch(sums, [] if norm is None else [norm], counts,
+                                                               *(acc[k][0] for k in keys))
+        total = sum(host_sums)
         if self.world > 1:
             from tunebook.distributed import global_mean
             loss = global_mean(torch.tensor(total), n_local)
         else:
             loss = total / max(n_local, 1)
-        grad_norm = None
-        if not getattr(c, "optimizer_in_backward", False):
-            if self.scaler is not None: self.scaler.unscale_(self.optimizer)
-            grad_norm = self.clip_and_check(loss)   # raises NonFiniteError before a bad step is applied
+        grad_norm = host_norm[0] if host_norm else None
+        if not oib:   # raises NonFiniteError before a bad step is applied; fp16's infinite norm is an overflow the scaler skips
+            self.check_finite(loss, grad_norm if self.scaler is None or math.isfinite(grad_norm) else None)
             if self.scaler is not None: self.scaler.step(self.optimizer); self.scaler.update()   # an overflow skips the step
             else: self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -104,10 +167,9 @@ def train_step(self: Trainer) -> dict:
     self.scheduler.step()
     self.step += 1
     seconds = time.perf_counter() - t0
-    row = dict(step=self.step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=sum(int((b["labels"] != IGNORE_INDEX).sum())
-               for b in batches if "labels" in b) * self.world,
+    row = dict(step=self.step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=sum(int(n) for n in host_counts) * self.world,
                seq_tokens=sum(int(b["tokens"].numel()) for b in batches if "tokens" in b) * self.world, seconds=seconds,
-               **_mean_stats(acc, self.world))
+               **_mean_stats(_reduce_stats(acc, dict(zip(keys, host_stats))), self.world))
     if tracker is not None:
         row.update(peak_bytes=tracker.peak, peak_phase=tracker.peak_phase,
                    **{f"mem_{k}": v for k, v in tracker.peak_categories.items()})
@@ -117,11 +179,16 @@ def train_step(self: Trainer) -> dict:
     return row
 
 @patch
-def clip_and_check(self: Trainer, loss: float) -> float:
-    "Clip to max_grad_norm (when on) and return the gradient norm; raise `NonFiniteError` if it or `loss` is not finite."
+def clip_grads(self: Trainer) -> torch.Tensor:
+    "Clip to max_grad_norm (when on) and return the gradient norm as a tensor on the device (no host sync)."
     params = [p for p in self.model.parameters() if p.requires_grad]
     norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm or math.inf)  # inf: measure, do not clip
-    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+@patch
+def clip_and_check(self: Trainer, loss: float) -> float:
+    "Clip to max_grad_norm (when on) and return the gradient norm; raise `NonFiniteError` if it or `loss` is not finite."
+    grad_norm = float(self.clip_grads())
     # with fp16's loss scaler an infinite norm is an overflow the scaler skips and answers by scaling down: not an error
     self.check_finite(loss, grad_norm if self.scaler is None or math.isfinite(grad_norm) else None)
     return grad_norm

@@ -35,6 +35,7 @@ class Trainer:
             raise ValueError(f"invalid {self.config._kind} options:\n  - " + "\n  - ".join(bad))
         self.model, self.tokenizer, self.train_data, self.eval_data, self.check = model, tokenizer, train_data, eval_data, check
         self.held_out = None   # tokenized held-out rows (the objective's): scored by loss
+        self.recipe: dict = {}   # setup fills lr / batch_size left None from the config's recipe for the model: what and why
         self.max_seq_len, self.max_new_tokens = self.config.max_seq_len, getattr(self.config, "max_new_tokens", None)   # setup may choose them
         self.callbacks, self.step, self.metrics, self.is_setup, self.should_stop = list(callbacks), 0, [], False, False
         try: self.callbacks += make_loggers(self.config.loggers)   # trackers hear the same on_step / on_eval / on_end
@@ -56,8 +57,11 @@ class Trainer:
         if self.model is None: self.model, tok = obj.load_model(self); self.tokenizer = self.tokenizer or tok
         if c.dtype == "auto":   # re-resolved on the loaded model (a hub name's width is known only now); weights stay fp32 either way
             self.precision = resolve_precision(c.dtype, get_device(c.device), model_width(c, self.model))
+        if not self.recipe:   # lr / batch_size left None: the recipe for this model (embedded, or real by its width) and method
+            self.config, self.recipe = c.with_defaults(model_width(c, self.model)); c = self.config
         if self.tokenizer is None and obj.needs_tokenizer: raise ValueError("pass a tokenizer together with a model object")
         obj.prepare_data(self)
+        self.choices = {**getattr(self, "choices", {}), **self.recipe}   # the run log and summary.json say what was chosen and why
         self._check_context()
         self.n_batches = obj.n_batches(self)
         if self.n_batches == 0:

@@ -103,11 +103,9 @@ class VLLMServer:
                  wait: bool = True):   # False: return at once; `.wait()` later (start other work meanwhile)
         require_vllm()
         self.model_dir, cuda = check_dir(model_dir, "model folder"), torch.cuda.is_available()
-        self.dtype, self.port = dtype or ("bfloat16" if cuda else "float32"), port or _free_port()
-        self.url = f"http://{host}:{self.port}"
+        self.dtype, self.host, self._auto_port = dtype or ("bfloat16" if cuda else "float32"), host, port is None
         args = [python or sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(self.model_dir), "--host", host,
-                "--port", str(self.port), "--dtype", self.dtype, "--seed", str(seed),
-                "--worker-extension-cls", "tunebook.vllmgen.engine.TunebookWorkerExtension"]
+                "--dtype", self.dtype, "--seed", str(seed), "--worker-extension-cls", "tunebook.vllmgen.engine.TunebookWorkerExtension"]
         if not cuda: args.append("--enforce-eager")
         if max_model_len: args += ["--max-model-len", str(max_model_len)]
         if lora_rank: args += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "1"]
@@ -116,9 +114,16 @@ class VLLMServer:
         self._tmp = _shm_dir("tunebook-vllm-server-")
         self.log_file = self._tmp / "server.log"
         self._t0, self.start_timeout, self.startup_seconds = time.perf_counter(), start_timeout, None
-        with open(self.log_file, "wb") as log:
-            self.proc = subprocess.Popen(args + list(extra_args), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self._cmd, self._env, self.launches = args + list(extra_args), env, 0
+        self._launch(port or _free_port())
         if wait: self.wait()
+
+    def _launch(self, port: int):
+        "Start the server process on `port` (its output goes to `log_file`)."
+        self.port, self.url, self.launches = port, f"http://{self.host}:{port}", self.launches + 1
+        with open(self.log_file, "wb") as log:
+            self.proc = subprocess.Popen(self._cmd + ["--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=self._env,
+                                         start_new_session=True)
 
     def wait(self) -> "VLLMServer":
         "Block until the server answers /health (`.startup_seconds` then says how long it took from launch)."
@@ -132,6 +137,8 @@ class VLLMServer:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
+                if self._auto_port and self.launches < 3 and "address already in use" in self.log_tail().lower():
+                    self._launch(_free_port()); continue   # another process took the free port between pick and bind
                 raise RuntimeError(f"vllm serve exited with code {self.proc.returncode} during start-up; its log ends:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
