@@ -79,4 +79,4 @@ $(VLLMVENV)/.installed: settings.ini setup.py
 
 # every test file that needs vLLM (test_vllm.py, test_grpo_vllm.py); they skip themselves in the main venv
 pytest-vllm: vllm-env
-	OMP_NUM_THREADS=1 $(VLLMPY) -m pytest -q $(wildcard tests/test_*vllm*.py)
+	OMP_NUM_THREADS=1 $(VLLMPY) -m pytest -q --durations=10 $(wildcard tests/test_*vllm*.py)

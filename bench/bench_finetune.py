@@ -88,7 +88,7 @@ def bench_method(method, d, cfg, a, configs, batches, log):
             t0, c0 = time.perf_counter(), time.process_time()
             losses[k].append(float(runs[k].step(batches[i])))  # .item() inside the timed step, as a training loop logs
             times[k].append(time.perf_counter() - t0); cpu[k].append(time.process_time() - c0)
-        log(f"  {method} round {i + 1}/{a.warmup + a.steps}: " + ", ".join(f"{k} {times[k][-1]:.2f}s" for k in names))
+        log(f"  {method} round {i + 1}/{a.warmup + a.steps}: " + ", ".join(f"{k} {times[k][-1]:.2f}s ({cpu[k][-1]:.2f} CPU-s)" for k in names))
     peaks = {k: peak_cpu(r, batches[0]) for k, r in runs.items()}
     prof = {}
     if a.profile:  # tunebook's configurations and the fastest peer's (by CPU time), side by side

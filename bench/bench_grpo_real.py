@@ -11,13 +11,15 @@ before/after (the learner's fp32 forward scores it), samples/s, the engine start
 gap between the engine and the learner; writes everything to bench/results/h4_grpo_real_smollm2.json.
 
     .venv-vllm/bin/python bench/bench_grpo_real.py                      # lrs 1e-4,3e-4,1e-3, 30 steps each
-    .venv-vllm/bin/python bench/bench_grpo_real.py --lrs 3e-4 --steps 60 --dtype float32 --offpolicy none
+    .venv-vllm/bin/python bench/bench_grpo_real.py --lrs 3e-4 --dtype float32 --learner-dtype fp32 --offpolicy none \
+        --out bench/results/h4_grpo_real_smollm2_fp32.json   # fp32 on both sides: the engine's log-probs are the learner's
 """
 import argparse
 import json
 import os
 import random
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -50,10 +52,11 @@ def run_one(lr, engine, model_dir, train, evals, args) -> dict:
     cfg = GRPOConfig(model=str(model_dir), task=None, generator="vllm", offpolicy=args.offpolicy, max_steps=args.steps,
                      group_size=args.group_size, prompts_per_step=args.prompts_per_step, max_new_tokens=args.max_new_tokens,
                      eval_samples=len(evals), lr=lr, lora_rank=args.lora_rank, beta=args.beta, temperature=args.temperature,
-                     seed=args.seed, output_dir=tempfile.mkdtemp(prefix="bench-grpo-real-"))
+                     seed=args.seed, dtype=args.learner_dtype, output_dir=tempfile.mkdtemp(prefix="bench-grpo-real-"))
     t0 = time.perf_counter()
     t = GRPOTrainer(cfg, prompts=train, eval_prompts=evals, reward_fn=last_number_reward, engine=engine)
-    s = t.fit(progress=False)
+    try: s = t.fit(progress=False)
+    finally: shutil.rmtree(cfg.output_dir, ignore_errors=True)   # the merged model and checkpoints (555 MB): the numbers are kept
     m = t.metrics
     step_secs = sum(r["seconds"] for r in m)
     return dict(lr=lr, reward_before=s["eval_reward_before"], reward_after=s["eval_reward_after"],
@@ -73,6 +76,7 @@ def main():
     p.add_argument("--eval-samples", type=int, default=60); p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--beta", type=float, default=0.0); p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--learner-dtype", default="auto", help="the learner's precision (auto: bf16-mixed on this CPU for SmolLM2)")
     p.add_argument("--out", default=str(HERE / "results" / "h4_grpo_real_smollm2.json"))
     args = p.parse_args()
     from realckpt import smollm2_dir

@@ -95,7 +95,7 @@ def scope(e) -> str | None:
     return None
 
 
-def profile_config(method, B, T, layers, steps):
+def profile_config(method, B, T, layers, steps, profile=True):
     from tunebook.loss import ChunkedCrossEntropy
     model, opt = build(method, layers)
     loss_fn, batch = ChunkedCrossEntropy(num_chunks=8), make_batch(B, T, model.config.vocab_size)
@@ -105,17 +105,18 @@ def profile_config(method, B, T, layers, steps):
         c0, w0 = time.process_time(), time.perf_counter()
         step(model, opt, loss_fn, batch)
         cpu.append(time.process_time() - c0); wall.append(time.perf_counter() - w0)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        step(model, opt, loss_fn, batch)
     by_cat, ops = {}, []
-    for e in prof.events():  # self time of every op, by the phase it runs in (loss, optimizer) else by its name
+    if profile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            step(model, opt, loss_fn, batch)
+    for e in prof.events() if profile else []:  # self time of every op, by the phase it runs in (loss, optimizer) else by its name
         if not e.name.startswith("aten::"): continue
         sc, cat = scope(e), category(e.name)
         cat = cat if sc is None else f"{sc}/{cat if cat in ('matmul', 'optimizer') else 'other'}"
         by_cat[cat] = by_cat.get(cat, 0.0) + e.self_cpu_time_total / 1e6
-    for e in prof.key_averages():
+    for e in prof.key_averages() if profile else []:
         if e.key.startswith("aten::"): ops.append((e.self_cpu_time_total / 1e6, e.key, e.count))
-    total = sum(by_cat.values())
+    total = sum(by_cat.values()) or 1.0
     flops = train_flops_per_token(hf_cfg(model.config), T, method) * B * T
     return dict(method=method, batch=f"{B}x{T}", layers=layers, cpu_s=statistics.median(cpu), wall_s=statistics.median(wall),
                 model_flop=flops, profile_self_cpu_s=total,
@@ -150,6 +151,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sdpa", action="store_true", help="only the SDPA bf16/fp32 table")
     ap.add_argument("--before", action="store_true", help="the step before H1's changes: native bf16 SDPA, the 4-op RMSNorm")
+    ap.add_argument("--no-profile", action="store_true", help="timings only (the profiler's events take GBs at 8x256)")
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -167,7 +169,7 @@ def main():
     for method in a.methods.split(","):
         for shape in a.shapes.split(","):
             B, T = map(int, shape.split("x"))
-            r = profile_config(method, B, T, a.layers, a.steps)
+            r = profile_config(method, B, T, a.layers, a.steps, profile=not a.no_profile)
             out.append(r)
             print(f"\n{method} {shape} ({a.layers} layers): step {r['cpu_s']:.2f} s CPU, {r['wall_s']:.2f} s wall; "
                   f"{B * T / r['wall_s']:.0f} tok/s wall; {r['model_flop'] / r['cpu_s'] / 1e12:.3f} model TFLOP per CPU-s "

@@ -6,6 +6,7 @@ vLLM's LoRA path enabled) and one vLLM API server subprocess (the real SmolLM2-1
 tests/realckpt.py; launched first, so both start at once) serve the whole module; rollouts are 3 prompts x 4 samples x at most 32 tokens.
 """
 import copy
+import os
 import time
 
 import pytest
@@ -91,7 +92,15 @@ def server_proc():
 
 @pytest.fixture(scope="module")
 def gen(server_proc):
-    g = VLLMGenerator(EMBEDDED_DIR, lora_rank=8, max_model_len=256, seed=0)
+    """The engine in this process (no EngineCore child: a killed test run leaves no engine behind, which a
+    multiprocess engine whose parent was killed did, ignoring SIGTERM)."""
+    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        g = VLLMGenerator(EMBEDDED_DIR, lora_rank=8, max_model_len=256, seed=0)
+    finally:
+        if old is None: os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else: os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
     print(f"\nvLLM engine start-up: {g.startup_seconds:.1f} s")
     yield g
     g.close()

@@ -165,8 +165,9 @@ class DistillConfig(ModelPart, DataPart, AdapterPart, OptimPart, MemoryPart, Run
     _command: typing.ClassVar[str] = "distill"
     _recipes: typing.ClassVar[dict] = dict(   # what None lr / batch_size become (`Part.with_defaults`): SFT's for a real student, confirmed by a run
         embedded=dict(lr=3e-3, batch_size=32, why="the embedded model's measured distillation recipe"),
-        lora=dict(lr=2e-3, batch_size=8, why="the real-model recipe with LoRA (SFT's, confirmed by bench/bench_defaults.py distill-lora on SmolLM2-135M)"),
-        full=dict(lr=5e-5, batch_size=8, why="the real-model recipe for full fine-tuning (SFT's)"))
+        lora=dict(lr=2e-3, batch_size=8, why="the real-model recipe with LoRA: SFT's (a distillation run to confirm it, bench/bench_defaults.py "
+                  "distill-lora, did not fit the session)"),
+        full=dict(lr=5e-5, batch_size=8, why="the real-model recipe for full fine-tuning: SFT's, provisional"))
 
 # %% ../nbs/12a_distill.ipynb #06de48e8
 @torch.no_grad()

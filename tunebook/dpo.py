@@ -239,8 +239,9 @@ class DPOConfig(ModelPart, SourcePart, AdapterPart, OptimPart, MemoryPart, RunPa
     _command: typing.ClassVar[str] = "dpo"
     _recipes: typing.ClassVar[dict] = dict(   # what None lr / batch_size become (`Part.with_defaults`), for every pair loss
         embedded=dict(lr=1e-3, batch_size=16, why="the embedded model's measured DPO recipe"),
-        lora=dict(lr=5e-4, batch_size=8, why="the real-model DPO recipe with LoRA (bench/bench_defaults.py dpo-lora on SmolLM2-135M)"),
-        full=dict(lr=1e-5, batch_size=8, why="the real-model DPO recipe for full fine-tuning (DPO LoRA's lr scaled as SFT full is to SFT LoRA)"))
+        lora=dict(lr=5e-4, batch_size=8, why="the real-model recipe with LoRA for every pair loss, one run on SmolLM2-135M (bench/bench_defaults.py dpo-lora; its lr sweep did not fit the session)"
+                  ": held-out preference accuracy 0.50 -> 1.00, margin 0 -> 2.07 in 8 steps of 8 pairs (KTO at this lr: 0.50 -> 0.90)"),
+        full=dict(lr=1e-5, batch_size=8, why="the real-model recipe for full fine-tuning: provisional (LoRA's lr scaled as SFT's full is to its LoRA; not swept)"))
 
 # %% ../nbs/12_dpo.ipynb #511945e7
 class DPOTrainer(Trainer):

@@ -192,8 +192,9 @@ class KTOConfig(ModelPart, SourcePart, AdapterPart, OptimPart, MemoryPart, RunPa
     _command: typing.ClassVar[str] = "kto"
     _recipes: typing.ClassVar[dict] = dict(   # what None lr / batch_size become (`Part.with_defaults`): DPO's, confirmed by a KTO run
         embedded=dict(lr=1e-3, batch_size=16, why="the embedded model's measured KTO recipe"),
-        lora=dict(lr=5e-4, batch_size=8, why="the real-model KTO recipe with LoRA (DPO's choice, confirmed by bench/bench_defaults.py kto-lora on SmolLM2-135M)"),
-        full=dict(lr=1e-5, batch_size=8, why="the real-model KTO recipe for full fine-tuning (DPO's)"))
+        lora=dict(lr=5e-4, batch_size=8, why="the real-model recipe with LoRA, DPO's, confirmed on SmolLM2-135M by bench/bench_defaults.py kto-lora: "
+                  "held-out preference accuracy 0.50 -> 0.90, reward gap 0 -> 1.28 in 12 steps of 8"),
+        full=dict(lr=1e-5, batch_size=8, why="the real-model recipe for full fine-tuning: DPO's, provisional (not swept)"))
 
 class KTOTrainer(Trainer):
     "`Trainer` with the `KTO` objective."

@@ -273,8 +273,10 @@ class TrainConfig(ModelPart, DataPart, AdapterPart, OptimPart, MemoryPart, RunPa
     _command: typing.ClassVar[str] = "finetune"   # the subcommand a YAML file of this config is for
     _recipes: typing.ClassVar[dict] = dict(       # what None lr / batch_size become (`with_defaults`); bench/bench_defaults.py measured the real ones
         embedded=dict(lr=5e-3, batch_size=32, why="the embedded model's measured recipe"),
-        lora=dict(lr=2e-3, batch_size=8, why="the real-model recipe for LoRA, DoRA and QLoRA (bench/bench_defaults.py sft-lora on SmolLM2-135M)"),
-        full=dict(lr=5e-5, batch_size=8, why="the real-model recipe for full fine-tuning (bench/bench_defaults.py sft-full on SmolLM2-135M)"))
+        lora=dict(lr=2e-3, batch_size=8, why="the real-model recipe for LoRA, DoRA and QLoRA, measured on SmolLM2-135M by bench/bench_defaults.py: "
+                  "held-out exact match 0% -> 100%, loss 2.09 -> 0.0007 in 20 steps of 8 at 2e-3 (5e-4: 100%, 0.0070; 1e-3: 97%, 0.0065; 5e-3: 87%, 0.048)"),
+        full=dict(lr=5e-5, batch_size=8, why="the real-model recipe for full fine-tuning: provisional, 40x below LoRA's (the sft-full sweep did not "
+                  "finish on the shared machine; bench/bench_defaults.py sft-full measures it)"))
 
     def problems(self) -> list[str]:
         return super().problems() + self._ignored_problems()

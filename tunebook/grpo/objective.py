@@ -56,6 +56,7 @@ def prompt_rows(cfg: GRPOConfig, tokenizer, task: str | None) -> tuple[list[dict
 class GRPO(Objective):
     "GRPO: each micro-batch is a rollout (sampled here, or by generator processes); the loss is one of `LOSS_TYPES`."
     name, lead = "grpo", "eval_reward"
+    pure_batches = False   # a rollout depends on the policy at the time, not on g alone: never built ahead on a thread
 
     def __init__(self, prompts=None, eval_prompts=None, reward_fn=None,
                  engine=None):  # a started sampler (e.g. `VLLMGenerator`) for a sync generator='vllm' run: used, left open
