@@ -156,7 +156,7 @@ class DistillConfig(ModelPart, DataPart, AdapterPart, OptimPart, MemoryPart, Run
     "A distillation run: every part of a fine-tune (the data is SFT's), plus the teacher and the loss mix."
     model: str | None = None           # the student: None (a shrunk copy of the teacher's shape, random init), a builder name (with --tokenizer), or a folder
     method: str = "full"               # "full", "lora", "dora" or "qlora" (the student)
-    lr: float | None = None            # AdamW's peak learning rate; None: the recipe's for the student and method (embedded-size 3e-3; a real model: LoRA 2e-3, full 5e-5), reported in the log
+    lr: float | None = None            # AdamW's peak learning rate; None: the recipe's for the student and method (embedded-size 3e-3; a real model: LoRA 2e-3, full 1e-4), reported in the log
     max_steps: int = 200               # optimizer steps
     eval_samples: int = 50             # held-out prompts scored by exact match (and rows scored by KL and cross-entropy)
     output_dir: str = "runs/distill"   # the run folder: config, metrics, checkpoints, model
@@ -167,7 +167,7 @@ class DistillConfig(ModelPart, DataPart, AdapterPart, OptimPart, MemoryPart, Run
         embedded=dict(lr=3e-3, batch_size=32, why="the embedded model's measured distillation recipe"),
         lora=dict(lr=2e-3, batch_size=8, why="the real-model recipe with LoRA: SFT's (a distillation run to confirm it, bench/bench_defaults.py "
                   "distill-lora, did not fit the session)"),
-        full=dict(lr=5e-5, batch_size=8, why="the real-model recipe for full fine-tuning: SFT's, provisional"))
+        full=dict(lr=1e-4, batch_size=8, why="the real-model recipe for full fine-tuning: SFT's (no distillation run confirms it yet)"))
 
 # %% ../nbs/12a_distill.ipynb #06de48e8
 @torch.no_grad()
@@ -254,7 +254,7 @@ class Distill(SFT):
 
     def summary(self, tr) -> dict:
         from tunebook.core import count_params
-        return dict(teacher_params=count_params(self.teacher), student_params=count_params(tr.model), **getattr(tr, "recipe", {}))
+        return dict(teacher_params=count_params(self.teacher), student_params=count_params(tr.model))
 
 # %% ../nbs/12a_distill.ipynb #0dee21e9
 class DistillTrainer(Trainer):

@@ -197,8 +197,7 @@ class DPO(Objective):
 
     def summary(self, tr) -> dict:
         c = tr.config
-        return dict(pair_loss=c.loss, beta=self.beta(c), label_smoothing=c.label_smoothing, **({"simpo_gamma": c.simpo_gamma} if c.loss == "simpo" else {}),
-                    **getattr(tr, "recipe", {}))   # lr and batch size, and why
+        return dict(pair_loss=c.loss, beta=self.beta(c), label_smoothing=c.label_smoothing, **({"simpo_gamma": c.simpo_gamma} if c.loss == "simpo" else {}))
 
 # %% ../nbs/12_dpo.ipynb #7ef73262
 @dataclass
@@ -228,7 +227,7 @@ class PairPart(Part):
 class DPOConfig(ModelPart, SourcePart, AdapterPart, OptimPart, MemoryPart, RunPart, PairPart):
     "A preference run on chosen/rejected pairs: the model, the pairs' source, adapter, optimisation, memory, run, and the pair loss."
     task: str | None = "count"          # synthetic task: the embedded model half-solves it, so its preferences carry signal (reverse: 0%, none)
-    lr: float | None = None             # AdamW's peak learning rate; None: the recipe's for the model and method (embedded 1e-3; a real model: LoRA 5e-4, full 1e-5), reported in the log
+    lr: float | None = None             # AdamW's peak learning rate; None: the recipe's for the model and method (embedded 1e-3; a real model: LoRA 5e-4, full 2.5e-5), reported in the log
     max_steps: int = 40                 # optimizer steps
     batch_size: int | None = None       # pairs per optimizer step (split over grad_accum_steps micro-batches and nproc processes); None: the recipe's (embedded 16; a real model 8)
     warmup_steps: int = 5               # linear warmup from 0 to lr over this many steps
@@ -241,7 +240,7 @@ class DPOConfig(ModelPart, SourcePart, AdapterPart, OptimPart, MemoryPart, RunPa
         embedded=dict(lr=1e-3, batch_size=16, why="the embedded model's measured DPO recipe"),
         lora=dict(lr=5e-4, batch_size=8, why="the real-model recipe with LoRA for every pair loss, one run on SmolLM2-135M (bench/bench_defaults.py dpo-lora; its lr sweep did not fit the session)"
                   ": held-out preference accuracy 0.50 -> 1.00, margin 0 -> 2.07 in 8 steps of 8 pairs (KTO at this lr: 0.50 -> 0.90)"),
-        full=dict(lr=1e-5, batch_size=8, why="the real-model recipe for full fine-tuning: provisional (LoRA's lr scaled as SFT's full is to its LoRA; not swept)"))
+        full=dict(lr=2.5e-5, batch_size=8, why="the real-model recipe for full fine-tuning: provisional, LoRA's lr scaled as SFT's full (1e-4) is to its LoRA (2e-3); not swept"))
 
 # %% ../nbs/12_dpo.ipynb #511945e7
 class DPOTrainer(Trainer):

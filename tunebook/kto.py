@@ -151,7 +151,7 @@ class KTO(Objective):
 
     def lead_metric(self, tr) -> str: return "preference_accuracy" if self.eval_pairs is not None else "reward_gap"
     def summary(self, tr) -> dict: return dict(beta=tr.config.beta, desirable_weight=tr.config.desirable_weight,
-                                               undesirable_weight=tr.config.undesirable_weight, **getattr(tr, "recipe", {}))
+                                               undesirable_weight=tr.config.undesirable_weight)
 
 # %% ../nbs/12c_preference_kto.ipynb #5fa16e25
 @dataclass
@@ -181,7 +181,7 @@ class KTOPart(Part):
 class KTOConfig(ModelPart, SourcePart, AdapterPart, OptimPart, MemoryPart, RunPart, KTOPart):
     "A KTO run on unpaired desirable/undesirable answers: the model, the data source, adapter, optimisation, memory, run, and KTO's part."
     task: str | None = "count"          # synthetic task: the embedded model half-solves it, so its answers' labels carry signal
-    lr: float | None = None             # AdamW's peak learning rate; None: the recipe's for the model and method (embedded 1e-3; a real model: LoRA 5e-4, full 1e-5), reported in the log
+    lr: float | None = None             # AdamW's peak learning rate; None: the recipe's for the model and method (embedded 1e-3; a real model: LoRA 5e-4, full 2.5e-5), reported in the log
     max_steps: int = 40                 # optimizer steps
     batch_size: int | None = None       # examples per optimizer step (split over grad_accum_steps micro-batches and nproc processes); None: the recipe's (embedded 16; a real model 8)
     warmup_steps: int = 5               # linear warmup from 0 to lr over this many steps
@@ -194,7 +194,7 @@ class KTOConfig(ModelPart, SourcePart, AdapterPart, OptimPart, MemoryPart, RunPa
         embedded=dict(lr=1e-3, batch_size=16, why="the embedded model's measured KTO recipe"),
         lora=dict(lr=5e-4, batch_size=8, why="the real-model recipe with LoRA, DPO's, confirmed on SmolLM2-135M by bench/bench_defaults.py kto-lora: "
                   "held-out preference accuracy 0.50 -> 0.90, reward gap 0 -> 1.28 in 12 steps of 8"),
-        full=dict(lr=1e-5, batch_size=8, why="the real-model recipe for full fine-tuning: DPO's, provisional (not swept)"))
+        full=dict(lr=2.5e-5, batch_size=8, why="the real-model recipe for full fine-tuning: DPO's, provisional (not swept)"))
 
 class KTOTrainer(Trainer):
     "`Trainer` with the `KTO` objective."

@@ -71,7 +71,7 @@ class GRPOPart(Part):
 class GRPOConfig(ModelPart, SourcePart, AdapterPart, StepPart, MemoryPart, RunPart, GRPOPart):
     "A GRPO run: model, prompt source, adapter, optimisation, memory and run parts, plus GRPO's own."
     task: str | None = "add"           # synthetic task: the embedded model solves ~45%, so rewards vary within groups
-    lr: float | None = None            # AdamW's peak learning rate; None: the recipe's for the model and method (embedded 5e-4: 2e-3 lowered its held-out reward; a real model: LoRA 3e-4, full 1e-5), reported in the log
+    lr: float | None = None            # AdamW's peak learning rate; None: the recipe's for the model and method (embedded 5e-4: 2e-3 lowered its held-out reward; a real model: LoRA 3e-4, full 1.5e-5), reported in the log
     max_steps: int = 300               # ~35 s on 2 cores: held-out reward 0.50 -> 0.58 (100 steps: 0.55)
     warmup_steps: int = 0
     schedule: str = "constant"
@@ -85,7 +85,7 @@ class GRPOConfig(ModelPart, SourcePart, AdapterPart, StepPart, MemoryPart, RunPa
         embedded=dict(lr=5e-4, why="the embedded model's measured GRPO recipe (2e-3 lowered its held-out reward)"),
         lora=dict(lr=3e-4, why="the real-model recipe with LoRA, measured on SmolLM2-135M by bench/bench_grpo_real.py (vLLM, 30 steps): held-out "
                   "reward 0.42 -> 0.85 at 3e-4, 0.62 at 1e-3, collapse to 0 at 3e-3"),
-        full=dict(lr=1e-5, why="the real-model recipe for full fine-tuning: provisional (LoRA's scaled as SFT's full is to its LoRA; not swept)"))
+        full=dict(lr=1.5e-5, why="the real-model recipe for full fine-tuning: provisional, LoRA's scaled as SFT's full (1e-4) is to its LoRA (2e-3); not swept"))
 
     def problems(self) -> list[str]:
         bad = super().problems()

@@ -79,7 +79,7 @@ def _fit_owned(self: Trainer, progress: bool) -> dict:
     if self.metrics: self.metrics[-1].update(after)
     lead, both = obj.lead_metric(self), {**self.baseline, **{f"{k}_after": v for k, v in after.items()}}
     first = {k: both[k] for k in (f"{lead}_before", f"{lead}_after") if k in both}   # the summary leads with the lead metric
-    self.summary = {**first, **both, "lead_metric": lead, **self.run_stats(), **obj.summary(self), "status": "ok"}
+    self.summary = {**first, **both, "lead_metric": lead, **self.run_stats(), **self.recipe, **obj.summary(self), "status": "ok"}
     self.write_outputs(last)
     if self.world > 1: dist.barrier()
     for cb in self.callbacks:
