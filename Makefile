@@ -44,7 +44,7 @@ notebooks: install
 # two pytest-xdist workers with one thread each (two torch processes with two threads each on two cores thrash);
 # --dist worksteal keeps both busy when the slow tests come last
 pytest: install bench-env
-	OMP_NUM_THREADS=1 TUNEBOOK_BENCH_PY=$(abspath $(BENCHPY)) $(PY) -m pytest -q -n 2 --dist worksteal tests
+	OMP_NUM_THREADS=1 TUNEBOOK_BENCH_PY=$(abspath $(BENCHPY)) $(PY) -m pytest -q -n 2 --dist worksteal --durations=25 tests
 
 test: check notebooks pytest pytest-vllm
 
