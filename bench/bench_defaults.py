@@ -32,6 +32,8 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 sys.path.insert(0, str(HERE.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from realckpt import user_records  # noqa: E402
+
 SWEEPS = {   # sweep -> (lrs, batches, steps, warmup): a fixed budget each (2 shared CPU cores: a run takes 10-30 minutes here)
     "sft-lora": ([1e-3, 2e-3, 5e-3, 5e-4], [8], 20, 10),
     "sft-full": ([3e-5, 1e-4, 3e-4, 1e-5], [8], 20, 10),
@@ -41,15 +43,7 @@ SWEEPS = {   # sweep -> (lrs, batches, steps, warmup): a fixed budget each (2 sh
 }
 
 
-def records(n: int, seed: int) -> list[dict]:
-    "The real tier's rows (tests/test_real.py): prompt `date number bool code`, response `code|bool|date`."
-    rng, rows = random.Random(seed), []
-    for _ in range(n):
-        d = f"20{rng.randint(10, 29)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
-        a = rng.choice([f"{rng.randint(1, 9)}e{rng.randint(2, 6)}", f"{rng.randint(0, 99)}.{rng.randint(0, 99):02d}", str(rng.randint(1, 999))])
-        p, c = rng.choice(["true", "false", "null"]), f"{rng.randint(0, 999):03d}"
-        rows.append({"prompt": f"{d} {a} {p} {c}", "response": f"{c}|{p}|{d}"})
-    return rows
+records = user_records   # the real tier's rows (tests/test_real.py): prompt `date number bool code`, response `code|bool|date`
 
 
 def wrong(row: dict, rng: random.Random) -> str:

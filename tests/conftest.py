@@ -79,3 +79,25 @@ def policy(tiny):
     found = _embedded()   # shipped with the package: a missing model is a failure, never a skip
     assert (Path(found[0]) / "config.json").exists(), f"the embedded model is missing from {found[0]}"
     return found
+
+
+# ---------------------------------------------------------------- vLLM (test_vllm.py, test_grpo_vllm.py: .venv-vllm)
+def _vllm_in_process(path, **kw):
+    """A VLLMGenerator whose engine runs in this process, as GRPO's own start_vllm runs it: no EngineCore child,
+    which a killed test run would leave behind (a multiprocess engine whose parent was killed ignores SIGTERM)."""
+    from tunebook.vllmgen import VLLMGenerator
+    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        g = VLLMGenerator(path, **kw)
+    finally:
+        if old is None: os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else: os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+    print(f"\nvLLM engine start-up: {g.startup_seconds:.1f} s")
+    return g
+
+
+@pytest.fixture(scope="session")
+def vllm_in_process():
+    """vllm_in_process(path, **VLLMGenerator options) -> an engine in this process; the caller closes it."""
+    return _vllm_in_process

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -165,3 +166,14 @@ def tunebook_pair(folder):
     from tunebook.checkpoint import load_hf
     from tunebook.tokenizer import load_tokenizer
     return load_hf(folder, dtype=torch.float32).eval(), load_tokenizer(folder)
+
+
+def user_records(n: int, seed: int) -> list[dict]:
+    "A user's JSONL rows whose text looks like dates, numbers, booleans and nulls; the answer reorders three of the four fields."
+    rng, rows = random.Random(seed), []
+    for _ in range(n):
+        d = f"20{rng.randint(10, 29)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
+        a = rng.choice([f"{rng.randint(1, 9)}e{rng.randint(2, 6)}", f"{rng.randint(0, 99)}.{rng.randint(0, 99):02d}", str(rng.randint(1, 999))])
+        p, c = rng.choice(["true", "false", "null"]), f"{rng.randint(0, 999):03d}"
+        rows.append({"prompt": f"{d} {a} {p} {c}", "response": f"{c}|{p}|{d}"})
+    return rows

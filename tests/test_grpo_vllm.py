@@ -6,7 +6,6 @@ Rollouts are 2-8 prompts x 4 samples x 8 tokens (the `add` task's answers are sh
 - synchronous: the held-out reward, scored by the learner's own greedy decoding, rises by a stated margin over the baseline;
 - the engine follows the learner: at every step the log-probs it returned for its samples equal the learner's
   forward at the rollout's version (fp32, 2e-4), while the policy moves far enough for a stale engine to show."""
-import os
 
 import pytest
 
@@ -15,7 +14,6 @@ pytestmark = pytest.mark.vllm
 
 from tunebook.embedded import EMBEDDED_DIR  # noqa: E402
 from tunebook.grpo import GRPOConfig, GRPOTrainer  # noqa: E402
-from tunebook.vllmgen import VLLMGenerator  # noqa: E402
 
 GAP = 2e-4   # fp32 engine vs the learner's fp32 forward, max |log-prob difference| of a sampled token (measured < 6e-5)
 
@@ -30,16 +28,9 @@ MARGIN = 0.02
 
 
 @pytest.fixture(scope="module")
-def engine():
+def engine(vllm_in_process):
     """One in-process fp32 engine on the embedded model for the whole module (start-up 30-200 s here)."""
-    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # the engine in this process, as GRPO's own start_vllm runs it
-    try:
-        g = VLLMGenerator(EMBEDDED_DIR, max_model_len=256, seed=0)
-    finally:
-        if old is None: os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        else: os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
-    print(f"\nvLLM engine start-up: {g.startup_seconds:.1f} s")
+    g = vllm_in_process(EMBEDDED_DIR, max_model_len=256, seed=0)
     yield g
     g.close()
 

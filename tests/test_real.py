@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from realckpt import smollm2_dir, transformers_pair, tunebook_pair  # noqa: E402
+from realckpt import smollm2_dir, transformers_pair, tunebook_pair, user_records  # noqa: E402
 
 pytestmark = pytest.mark.real
 
@@ -97,15 +97,7 @@ def test_greedy_generation_equals_transformers(smol, hf, ours):
     assert buf.getvalue() == ref_text + "\n"   # `tunebook generate` streams exactly transformers' greedy answer
 
 
-def _records(n, seed):
-    "Rows whose text looks like dates, numbers, booleans and nulls; the answer reorders three of the four fields."
-    rng, rows = random.Random(seed), []
-    for _ in range(n):
-        d = f"20{rng.randint(10, 29)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
-        a = rng.choice([f"{rng.randint(1, 9)}e{rng.randint(2, 6)}", f"{rng.randint(0, 99)}.{rng.randint(0, 99):02d}", str(rng.randint(1, 999))])
-        p, c = rng.choice(["true", "false", "null"]), f"{rng.randint(0, 999):03d}"
-        rows.append({"prompt": f"{d} {a} {p} {c}", "response": f"{c}|{p}|{d}"})
-    return rows
+_records = user_records   # tests/realckpt.py: bench/bench_defaults.py sweeps on the same rows
 
 
 def test_data_defaults_and_trained_text_against_transformers(hf, ours, tmp_path):

@@ -6,7 +6,6 @@ vLLM's LoRA path enabled) and one vLLM API server subprocess (the real SmolLM2-1
 tests/realckpt.py; launched first, so both start at once) serve the whole module; rollouts are 3 prompts x 4 samples x at most 32 tokens.
 """
 import copy
-import os
 import time
 
 import pytest
@@ -20,7 +19,7 @@ from tunebook.embedded import EMBEDDED_DIR  # noqa: E402
 from tunebook.lora import apply_lora, lora_modules  # noqa: E402
 from tunebook.tokenizer import load_tokenizer  # noqa: E402
 from tunebook.train import encode_prompt, stop_ids  # noqa: E402
-from tunebook.vllmgen import VLLMGenerator, VLLMServer  # noqa: E402
+from tunebook.vllmgen import VLLMServer  # noqa: E402
 
 # fp32 engine vs tunebook's fp32 forward, max |difference| of a sampled token's log-prob (measured 1e-5 .. 6e-5 here)
 TOL = 2e-4
@@ -91,17 +90,10 @@ def server_proc():
 
 
 @pytest.fixture(scope="module")
-def gen(server_proc):
+def gen(server_proc, vllm_in_process):
     """The engine in this process (no EngineCore child: a killed test run leaves no engine behind, which a
     multiprocess engine whose parent was killed did, ignoring SIGTERM)."""
-    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    try:
-        g = VLLMGenerator(EMBEDDED_DIR, lora_rank=8, max_model_len=256, seed=0)
-    finally:
-        if old is None: os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        else: os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
-    print(f"\nvLLM engine start-up: {g.startup_seconds:.1f} s")
+    g = vllm_in_process(EMBEDDED_DIR, lora_rank=8, max_model_len=256, seed=0)
     yield g
     g.close()
 
