@@ -36,8 +36,10 @@ def run(tmp_path_factory):
     cfg = TrainConfig(model="given", task="reverse", n_train=64, eval_samples=4, batch_size=8, max_steps=3, log_every=1,
                       profile_memory=True, output_dir=str(out))
     loggers = make_loggers("csv,tensorboard,mlflow,wandb")
-    summary = Trainer(cfg, model=build_model(pico(vocab_size=tok.vocab_size, dim=32, hidden_dim=64)), tokenizer=tok,
-                      callbacks=loggers).fit(progress=False)
+    tr = Trainer(cfg, model=build_model(pico(vocab_size=tok.vocab_size, dim=32, hidden_dim=64)), tokenizer=tok, callbacks=loggers)
+    summary = tr.fit(progress=False)
+    cfg = tr.config   # the trackers hear the options the run trained with: lr left None is the recipe's value
+    assert cfg.lr == 5e-3 and cfg.batch_size == 8, cfg
     csv = pd.read_csv(out / "metrics.csv")
     assert json.loads((out / "summary.json").read_text()) == json.loads(json.dumps(summary))
     return out, cfg, csv, summary, loggers

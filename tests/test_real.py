@@ -143,7 +143,7 @@ def test_finetune_jsonl_gains_and_answers_the_same_in_transformers(smol, hf, tmp
     s = json.loads((out / "summary.json").read_text())
     from tunebook.config import TrainConfig
     want = TrainConfig._recipes["lora"]
-    assert (s["recipe"], s["lr"], s["batch_size"]) == ("lora", want["lr"], want["batch_size"]), s
+    assert (s["recipe"], s["peak_lr"], s["batch_size"]) == ("lora", want["lr"], want["batch_size"]), s   # "peak_lr": the trackers log "lr" per step
     assert f"lr {want['lr']:g}, batch_size {want['batch_size']}" in r.stdout and "recipe: lr" in (out / "log.txt").read_text()
     saved = TrainConfig.from_yaml(out / "config.yaml")   # a rerun from config.yaml sets the same values, explicitly
     assert (saved.lr, saved.batch_size) == (want["lr"], want["batch_size"])

@@ -19,11 +19,12 @@ from ..optim import SCHEDULES
 from ..records import FORMATS
 
 # %% auto #0
-__all__ = ['TUNED', 'REAL_MIN_WIDTH', 'recipe_name', 'Part', 'ModelPart', 'SourcePart', 'SFTDataPart', 'DataPart', 'AdapterPart',
-           'BatchPart', 'StepPart', 'OptimPart', 'MemoryPart', 'RunPart', 'TrainConfig']
+__all__ = ['TUNED', 'SUMMARY_NAMES', 'REAL_MIN_WIDTH', 'recipe_name', 'Part', 'ModelPart', 'SourcePart', 'SFTDataPart',
+           'DataPart', 'AdapterPart', 'BatchPart', 'StepPart', 'OptimPart', 'MemoryPart', 'RunPart', 'TrainConfig']
 
 # %% ../../nbs/11b_config.ipynb #fba7b1a2
 TUNED = ("lr", "batch_size")   # the options a config may leave None for its recipe to fill (`Part.with_defaults`)
+SUMMARY_NAMES = {"lr": "peak_lr"}   # how summary.json names them: every step already logs the scheduled "lr" to the trackers
 REAL_MIN_WIDTH = 512           # hidden size from which a model takes the real-model recipe (SmolLM2-135M: 576; the embedded model: 192)
 
 def recipe_name(cfg, width: int | None = None) -> str:
@@ -65,8 +66,8 @@ class Part:
         said = ", ".join(f"{k} {v:g}" for k, v in vals.items())
         why = (f"{said} (left unset: {r.get('why', name)})" if vals else "") + \
               ("; " if vals and given else "") + (f"{' and '.join(given)} as given" if given else "")
-        return (dataclasses.replace(self, **vals) if vals else self), dict(recipe=name if vals else "as given", **{k: getattr(self, k) for k in given},
-                                                                          **vals, recipe_report=why)
+        chosen = {SUMMARY_NAMES.get(k, k): v for k, v in {**{k: getattr(self, k) for k in given}, **vals}.items()}
+        return (dataclasses.replace(self, **vals) if vals else self), dict(recipe=name if vals else "as given", **chosen, recipe_report=why)
 
     def to_dict(self) -> dict:
         "The options as a dict (without those this kind of run ignores)."

@@ -114,11 +114,12 @@ class GeneratorPool:
     "Generator processes sampling rollouts with the newest published policy into a bounded queue."
     def __init__(self, model, tokenizer, reference, prompts, reward_fn, num_generators: int = 1, queue_size: int = 2,
                  max_staleness: int = 2, worker_timeout: float = 120.0, seed: int = 0,
-                 start_timeout: float = 900.0,  # the first rollout may wait this long: a vLLM engine starts in 0.5-3.5 minutes here
+                 start_timeout: float | None = None,  # the first rollout may wait this long; None: 900 s for vLLM engines (they start in 0.5-6 minutes here), worker_timeout for torch generators
                  **opts):
         self.model, self.tokenizer, self.reference, self.prompts, self.reward_fn = model, tokenizer, reference, prompts, reward_fn
         self.num_generators, self.queue_size, self.max_staleness, self.worker_timeout = num_generators, queue_size, max_staleness, worker_timeout
         self.seed, self.opts, self.workers, self.queue = seed, opts, [], None
+        if start_timeout is None: start_timeout = 900.0 if opts.get("backend") == "vllm" else worker_timeout
         self.start_timeout, self.started = start_timeout, False   # started: a rollout has come (start-up is over)
         self.counters = dict(dropped_stale=0, max_staleness_used=0)
 
