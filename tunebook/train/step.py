@@ -94,14 +94,7 @@ def _reduce_stats(acc: dict, values: dict) -> dict:
     out = {}
     for k, (parts, n) in acc.items():
         vals = values[k]
-        if k.endswith("_max"):
-            m = vals[0]
-            for v in vals[1:]: m = max(m, v)
-            out[k] = (m, 1)
-        else:
-            s = 0.0
-            for v in vals: s = s + v
-            out[k] = (s, n)
+        out[k] = (max(vals), 1) if k.endswith("_max") else (sum(vals), n)
     return out
 
 def _mean_stats(acc: dict, world: int) -> dict:
@@ -184,14 +177,6 @@ def clip_grads(self: Trainer) -> torch.Tensor:
     params = [p for p in self.model.parameters() if p.requires_grad]
     norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm or math.inf)  # inf: measure, do not clip
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-@patch
-def clip_and_check(self: Trainer, loss: float) -> float:
-    "Clip to max_grad_norm (when on) and return the gradient norm; raise `NonFiniteError` if it or `loss` is not finite."
-    grad_norm = float(self.clip_grads())
-    # with fp16's loss scaler an infinite norm is an overflow the scaler skips and answers by scaling down: not an error
-    self.check_finite(loss, grad_norm if self.scaler is None or math.isfinite(grad_norm) else None)
-    return grad_norm
 
 @patch
 def check_finite(self: Trainer, loss: float, grad_norm: float | None):
