@@ -358,8 +358,33 @@ def test_flat_chunks_are_plain_2d_matmuls(dtype):
     assert all(op == "mm" or op == "addmm_" for op, _, _ in fwd + bwd if op in MATMULS)
     assert not any(op == "expand" for op, _, _ in fwd + bwd)
     assert weight_copies(fwd, 500, 32) == 0 and weight_copies(bwd, 500, 32) == 0   # dW's slices go straight into its rows
-    # the chunks are row blocks of the 80 flattened tokens, 10 each (sequence chunks would be 4 x 3 or 4 x 2)
-    assert {shapes[0] for op, _, shapes in fwd if op == "mm"} == {(10, 32)}
+    # every product takes all 80 flattened tokens as one row block, against one of 8 vocabulary slices
+    mm = [shapes for op, _, shapes in fwd if op == "mm"]
+    assert {s[0] for s in mm} == {(80, 32)} and len(mm) == 8 and sum(s[1][1] for s in mm) == 500
+
+
+def test_cpu_vocabulary_slices_are_narrow_and_exact():
+    "On a CPU no slice is wider than CPU_VOCAB_SLICE, whatever num_chunks; the logsumexp merged across slices is exact."
+    from tunebook.loss import CPU_VOCAB_SLICE
+    V = 2 * CPU_VOCAB_SLICE + 300
+    hidden, weight, labels = make_inputs(B=2, T=24, D=16, V=V, seed=3)
+    labels[1, :4] = torch.tensor([0, V - 1, CPU_VOCAB_SLICE - 1, CPU_VOCAB_SLICE])   # targets at the slice edges
+    fwd, bwd = op_logs(ChunkedCrossEntropy(1), hidden, weight, labels)
+    widths = [shapes[1][1] for op, _, shapes in fwd if op == "mm"]
+    assert len(widths) == 3 and max(widths) <= CPU_VOCAB_SLICE and sum(widths) == V, widths
+    assert len([1 for op, _, _ in bwd if op == "mm"]) == 6   # logits, dW and dh for each of the 3 slices
+    errs = errors(hidden, weight, labels, ChunkedCrossEntropy(1))
+    assert errs[0] <= 2e-6 and max(errs[1:]) <= 1e-6, errs
+
+
+def test_labels_outside_the_vocabulary_fail_clearly():
+    hidden, weight, labels = make_inputs(V=500)
+    for bad in (500, 10_000, -5):
+        y = labels.clone(); y[1, 3] = bad
+        with pytest.raises(ValueError, match=rf"token ids in \[0, 500\).*\[{bad}\].*vocabulary"):
+            ChunkedCrossEntropy(4)(hidden, weight, y)
+    y = labels.clone(); y[1, 3] = -100   # ignore_index itself is fine
+    assert torch.isfinite(ChunkedCrossEntropy(4)(hidden, weight, y))
 
 
 def test_autocast_mixed_dtypes_and_fp64():

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 # %% auto #0
-__all__ = ['num_loss_tokens', 'cross_entropy_loss', 'ChunkedCrossEntropy']
+__all__ = ['CPU_VOCAB_SLICE', 'num_loss_tokens', 'cross_entropy_loss', 'ChunkedCrossEntropy']
 
 # %% ../nbs/07_loss.ipynb #e0cdf040
 def num_loss_tokens(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -51,31 +51,43 @@ def _bounds(n: int, k: int) -> list[tuple[int, int]]:
     ends = [(i + 1) * q + min(i + 1, r) for i in range(k)]
     return [(a, b) for a, b in zip([0] + ends[:-1], ends) if b > a]
 
+CPU_VOCAB_SLICE = 1024   # vocabulary columns per slice on a CPU: (N, 1024) fp32 blocks stay near the caches (measured below)
+
+def _vocab_slices(V: int, num_chunks: int, device: torch.device) -> list[tuple[int, int]]:
+    "The vocabulary slices both passes go through: `num_chunks` of them, more on a CPU so none is wider than `CPU_VOCAB_SLICE`."
+    n = num_chunks if device.type != "cpu" else max(num_chunks, -(-V // CPU_VOCAB_SLICE))
+    return _bounds(V, n)
+
 class _ChunkedLinearCE(torch.autograd.Function):
-    "Sum (or mean) of cross-entropy over `hidden @ weight.T`: forward by chunks of tokens, backward by slices of the vocabulary."
+    "Sum (or mean) of cross-entropy over `hidden @ weight.T`, both passes by slices of the vocabulary (logsumexp merged across slices)."
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, num_chunks, ignore_index, normalizer, softcap=None):
         cdt = _compute_dtype(hidden, weight)
         acc = torch.promote_types(cdt, torch.float32)            # fp32, or fp64 for gradcheck
-        total = torch.zeros((), dtype=torch.float64, device=hidden.device)
-        lse_all = torch.empty(labels.numel(), dtype=acc, device=hidden.device)   # (N,): all that backward needs of the logits
-        start = 0
+        V, y = weight.shape[0], labels.reshape(-1)
+        keep = y != ignore_index
+        if y.device.type == "cpu" and type(y) is torch.Tensor and not torch.compiler.is_compiling():   # else (CUDA, compiled, fake): NaN, no sync
+            bad = y[((y < 0) & keep) | (y >= V)][:5].tolist()
+            if bad:
+                raise ValueError(f"labels must be token ids in [0, {V}) or ignore_index ({ignore_index}); got {bad}: "
+                                 "check that the tokenizer and the model's vocabulary match.")
+        slices = _vocab_slices(V, num_chunks, hidden.device)
+        lse, z_y = None, torch.full((y.numel(),), float("nan"), dtype=acc, device=hidden.device)   # NaN stays for a label no slice holds
         with _no_autocast(hidden.device.type):
             hs, w = hidden.reshape(-1, hidden.shape[-1]).to(cdt), weight.to(cdt)   # (N, D), (V, D): cast once per call
-            for h, y in zip(hs.tensor_split(num_chunks), labels.reshape(-1).tensor_split(num_chunks)):
-                if h.shape[0] == 0: continue                     # num_chunks > N leaves empty chunks
-                z = (h @ w.t()).to(acc)                          # (n, V): plain 2-D matmul, the only logits alive
+            for v0, v1 in slices:
+                z = (hs @ w[v0:v1].t()).to(acc)                  # (N, v): every token's logits for this slice, the only ones alive
                 if softcap is not None: z.div_(softcap).tanh_().mul_(softcap)   # soft-capped in place
-                z_y = z.gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)    # (n,) target logits
+                inside = (y >= v0) & (y < v1)
+                z_y = torch.where(inside, z.gather(-1, (y - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1)).squeeze(-1), z_y)
                 m = z.amax(-1, keepdim=True)
-                lse = z.sub_(m).exp_().sum(-1).log_() + m.squeeze(-1)           # fp32 logsumexp, in place
-                lse_all[start:start + h.shape[0]] = lse
-                total += torch.where(y != ignore_index, lse - z_y, 0.0).double().sum()
-                start += h.shape[0]
+                part = z.sub_(m).exp_().sum(-1).log_().add_(m.squeeze(-1))      # this slice's fp32 logsumexp, in place
+                lse = part if lse is None else torch.logaddexp(lse, part)       # merged: log(e^a + e^b)
                 del z
-        ctx.save_for_backward(hidden, weight, labels, normalizer, lse_all)
-        ctx.num_chunks, ctx.ignore_index, ctx.softcap, ctx.cdt = num_chunks, ignore_index, softcap, cdt
+        total = torch.where(keep, lse - z_y, 0.0).double().sum()   # per-token losses added in fp64
+        ctx.save_for_backward(hidden, weight, labels, normalizer, lse)
+        ctx.slices, ctx.ignore_index, ctx.softcap, ctx.cdt = slices, ignore_index, softcap, cdt
         return (total / normalizer).to(acc)
 
     @staticmethod
@@ -92,7 +104,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         with _no_autocast(hidden.device.type):
             hs, w = hidden.reshape(-1, D).to(cdt), weight.to(cdt)
             hs_w = hs.to(acc) if need_w and weight.dtype == acc else hs   # dW in the weight's dtype: fp32 products of the bf16 values
-            for v0, v1 in _bounds(V, ctx.num_chunks):
+            for v0, v1 in ctx.slices:
                 ws = w[v0:v1]                                     # (v, D) rows of the weight: a view, no copy
                 z = (hs @ ws.t()).to(acc)                         # (N, v): every token's logits for this slice
                 if ctx.softcap is None: t_, p = None, z.sub_(lse.unsqueeze(-1)).exp_()   # softmax, from the saved logsumexp
@@ -119,7 +131,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
 class ChunkedCrossEntropy(nn.Module):
     "Cross-entropy of `hidden @ output_weight.T` against `labels`, without materializing full logits."
     def __init__(self,
-                 num_chunks: int = 8, # split the B*T tokens into this many pieces (the last ones may be empty)
+                 num_chunks: int = 8, # at least this many vocabulary slices: at most 1/num_chunks of the logits alive at once
                  ignore_index: int = -100, # label value that contributes nothing (prompt, padding)
                  reduction: str = "mean", # "mean" over non-ignored tokens, or "sum" for gradient accumulation
                  softcap: float | None = None, # logits = softcap * tanh(logits / softcap) first (the model's `final_softcap`)

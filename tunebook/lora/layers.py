@@ -68,9 +68,14 @@ def forward(self: LoRALinear, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> 
     y = self.base_forward(x)
     if self.disabled: return y
     xa = self.lora_dropout(x.to(self.lora_A.weight.dtype))
-    lora = self.lora_B(self.lora_A(xa))  # (..., r) -> (..., out)
+    h = self.lora_A(xa)  # (..., r)
     if self.lora_magnitude_vector is None:
-        return torch.add(y, lora, alpha=self.scaling).to(y.dtype)  # one fused add-scale: one rounding, no temporary
+        B = self.lora_B.weight
+        if h.dtype == y.dtype and (B.dtype == h.dtype or torch.is_autocast_enabled(h.device.type)):
+            # y + s * h @ B.T as one GEMM that accumulates onto y: no (..., out) temporary, one rounding
+            return torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), B.t(), alpha=self.scaling).view(y.shape)
+        return torch.add(y, self.lora_B(h), alpha=self.scaling).to(y.dtype)  # mixed dtypes: promoted, then the base's dtype
+    lora = self.lora_B(h)  # (..., r) -> (..., out)
     W = self.base_weight(xa.dtype)
     lw = (self.lora_B.weight @ self.lora_A.weight).detach()
     norm = torch.linalg.norm(W + self.scaling * lw, dim=1).to(W.dtype).detach()  # (out,), a constant in backward
