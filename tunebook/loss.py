@@ -58,6 +58,10 @@ def _vocab_slices(V: int, num_chunks: int, device: torch.device) -> list[tuple[i
     n = num_chunks if device.type != "cpu" else max(num_chunks, -(-V // CPU_VOCAB_SLICE))
     return _bounds(V, n)
 
+def _block(buf: torch.Tensor | None, rows: int, n: int) -> torch.Tensor | None:
+    "The first rows*n values of a flat buffer as a contiguous (rows, n) block: one buffer serves every slice."
+    return None if buf is None else buf[: rows * n].view(rows, n)
+
 class _ChunkedLinearCE(torch.autograd.Function):
     "Sum (or mean) of cross-entropy over `hidden @ weight.T`, both passes by slices of the vocabulary (logsumexp merged across slices)."
 
@@ -73,18 +77,21 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 raise ValueError(f"labels must be token ids in [0, {V}) or ignore_index ({ignore_index}); got {bad}: "
                                  "check that the tokenizer and the model's vocabulary match.")
         slices = _vocab_slices(V, num_chunks, hidden.device)
-        lse, z_y = None, torch.full((y.numel(),), float("nan"), dtype=acc, device=hidden.device)   # NaN stays for a label no slice holds
-        with _no_autocast(hidden.device.type):
+        N, dev, width = y.numel(), hidden.device, max(b - a for a, b in slices)
+        lse, z_y = None, torch.full((N,), float("nan"), dtype=acc, device=dev)   # NaN stays for a label no slice holds
+        # each slice's product and its fp32 copy go into two buffers made once (fresh memory per slice cost 5x the copy)
+        zbuf, fbuf = torch.empty(N * width, dtype=cdt, device=dev), torch.empty(N * width, dtype=acc, device=dev) if cdt != acc else None
+        with _no_autocast(dev.type):
             hs, w = hidden.reshape(-1, hidden.shape[-1]).to(cdt), weight.to(cdt)   # (N, D), (V, D): cast once per call
             for v0, v1 in slices:
-                z = (hs @ w[v0:v1].t()).to(acc)                  # (N, v): every token's logits for this slice, the only ones alive
+                z = torch.mm(hs, w[v0:v1].t(), out=_block(zbuf, N, v1 - v0))   # (N, v): every token's logits for this slice
+                if fbuf is not None: z = _block(fbuf, N, v1 - v0).copy_(z)     # upcast: the softmax statistics are fp32
                 if softcap is not None: z.div_(softcap).tanh_().mul_(softcap)   # soft-capped in place
                 inside = (y >= v0) & (y < v1)
                 z_y = torch.where(inside, z.gather(-1, (y - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1)).squeeze(-1), z_y)
                 m = z.amax(-1, keepdim=True)
                 part = z.sub_(m).exp_().sum(-1).log_().add_(m.squeeze(-1))      # this slice's fp32 logsumexp, in place
                 lse = part if lse is None else torch.logaddexp(lse, part)       # merged: log(e^a + e^b)
-                del z
         total = torch.where(keep, lse - z_y, 0.0).double().sum()   # per-token losses added in fp64
         ctx.save_for_backward(hidden, weight, labels, normalizer, lse)
         ctx.slices, ctx.ignore_index, ctx.softcap, ctx.cdt = slices, ignore_index, softcap, cdt
@@ -101,12 +108,16 @@ class _ChunkedLinearCE(torch.autograd.Function):
         coef = (keep.to(acc) * (grad.double() / normalizer).to(acc)).unsqueeze(-1)   # (N, 1): 0 on ignored tokens
         gh = torch.zeros((y.numel(), D), dtype=acc, device=hidden.device) if need_h else None   # dh, summed over slices
         grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if need_w else None
-        with _no_autocast(hidden.device.type):
+        N, dev, width = y.numel(), hidden.device, max(b - a for a, b in ctx.slices)
+        zbuf, fbuf = torch.empty(N * width, dtype=cdt, device=dev), torch.empty(N * width, dtype=acc, device=dev) if cdt != acc else None
+        hbuf = torch.empty((N, D), dtype=cdt, device=dev) if need_h and cdt != acc else None   # each slice's bf16 part of dh
+        with _no_autocast(dev.type):
             hs, w = hidden.reshape(-1, D).to(cdt), weight.to(cdt)
             hs_w = hs.to(acc) if need_w and weight.dtype == acc else hs   # dW in the weight's dtype: fp32 products of the bf16 values
             for v0, v1 in ctx.slices:
-                ws = w[v0:v1]                                     # (v, D) rows of the weight: a view, no copy
-                z = (hs @ ws.t()).to(acc)                         # (N, v): every token's logits for this slice
+                ws, n = w[v0:v1], v1 - v0                          # (v, D) rows of the weight: a view, no copy
+                z = torch.mm(hs, ws.t(), out=_block(zbuf, N, n))  # (N, v): every token's logits for this slice
+                if fbuf is not None: z = _block(fbuf, N, n).copy_(z)
                 if ctx.softcap is None: t_, p = None, z.sub_(lse.unsqueeze(-1)).exp_()   # softmax, from the saved logsumexp
                 else:                                             # d(c tanh(z/c))/dz = 1 - tanh(z/c)^2
                     t_ = z.div_(ctx.softcap).tanh_()
@@ -116,12 +127,12 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 p.mul_(coef)
                 if t_ is not None: p.mul_(t_.square_().neg_().add_(1))
                 del z, t_
-                dz = p if cdt == acc else p.to(cdt)               # the matmul dtype's copy, made once
+                dz = p if cdt == acc else _block(zbuf, N, n).copy_(p)   # the matmul dtype's copy, into the product's buffer
                 if need_w:                                         # each slice of dW written once: K = N, no accumulator
                     torch.mm((p if weight.dtype == acc else dz).t(), hs_w, out=grad_w[v0:v1])
                 if need_h:
                     if cdt == acc: gh.addmm_(p, ws)
-                    else: gh.add_(dz @ ws)                         # a bf16 product per slice, summed in fp32
+                    else: gh.add_(torch.mm(dz, ws, out=hbuf))      # a bf16 product per slice, summed in fp32
                 del p, dz
         grad_h = gh.to(hidden.dtype).view(hidden.shape) if need_h else None
         return grad_h, grad_w, None, None, None, None, None
