@@ -74,6 +74,7 @@ def global_reference_point(policy_kl: torch.Tensor, ref_kl: torch.Tensor) -> tor
 class KTO(Objective):
     "Unpaired desirable/undesirable answers; the loss of `tunebook.preference.kto_loss`; `Trainer`'s loop does the rest."
     name, lead = "kto", "preference_accuracy"
+    pure_batches = True   # batch(tr, g) depends on g alone (its mismatched pairs too): built ahead where that pays (CUDA)
     def __init__(self, train_rows=None, eval_pairs=None): self.train_rows, self.eval_pairs, self.held = train_rows, eval_pairs, None
 
     def prepare_data(self, tr):
