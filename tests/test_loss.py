@@ -369,12 +369,29 @@ def test_cpu_vocabulary_slices_are_narrow_and_exact():
     V = 2 * CPU_VOCAB_SLICE + 300
     hidden, weight, labels = make_inputs(B=2, T=24, D=16, V=V, seed=3)
     labels[1, :4] = torch.tensor([0, V - 1, CPU_VOCAB_SLICE - 1, CPU_VOCAB_SLICE])   # targets at the slice edges
-    fwd, bwd = op_logs(ChunkedCrossEntropy(1), hidden, weight, labels)
+    fwd, bwd = op_logs(ChunkedCrossEntropy(2), hidden, weight, labels)
     widths = [shapes[1][1] for op, _, shapes in fwd if op == "mm"]
     assert len(widths) == 3 and max(widths) <= CPU_VOCAB_SLICE and sum(widths) == V, widths
-    assert len([1 for op, _, _ in bwd if op == "mm"]) == 6   # logits, dW and dh for each of the 3 slices
-    errs = errors(hidden, weight, labels, ChunkedCrossEntropy(1))
-    assert errs[0] <= 2e-6 and max(errs[1:]) <= 1e-6, errs
+    assert len([1 for op, _, _ in bwd if op == "mm"]) == 6   # the recomputed logits and dW for each of the 3 slices (dh: addmm_)
+    for k in (1, 2):
+        errs = errors(hidden, weight, labels, ChunkedCrossEntropy(k))
+        assert errs[0] <= 2e-6 and max(errs[1:]) <= 1e-6, (k, errs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_chunk_keeps_the_logits_and_skips_the_recompute(dtype):
+    "num_chunks=1: backward reads the forward's logits (no h @ W.T again), to the bit what the recompute gives, twice over."
+    from tunebook.loss import CPU_VOCAB_SLICE
+    V = 2 * CPU_VOCAB_SLICE + 300   # 3 slices for num_chunks 1 and 2 alike: the two differ only in keeping the logits
+    hidden, weight, labels = make_inputs(B=2, T=24, D=16, V=V, dtype=dtype, seed=4)
+    _, bwd = op_logs(ChunkedCrossEntropy(1), hidden, weight, labels)
+    assert not [s for op, _, s in bwd if op == "mm" and s[0] == (48, 16) and s[1][0] == 16]   # no (N, D) x (D, v) product
+    kept, recomputed = run(ChunkedCrossEntropy(1), hidden, weight, labels), run(ChunkedCrossEntropy(2), hidden, weight, labels)
+    assert all(torch.equal(a, b) for a, b in zip(kept, recomputed))
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = ChunkedCrossEntropy(1)(h, w, labels)
+    loss.backward(retain_graph=True); g1 = h.grad.clone(); loss.backward()   # a second backward sees the same logits
+    assert torch.equal(h.grad, 2 * g1) if dtype == torch.float32 else (h.grad.float() - 2 * g1.float()).abs().max() <= 2**-7 * g1.abs().max()
 
 
 def test_labels_outside_the_vocabulary_fail_clearly():

@@ -79,12 +79,15 @@ class _ChunkedLinearCE(torch.autograd.Function):
         slices = _vocab_slices(V, num_chunks, hidden.device)
         N, dev, width = y.numel(), hidden.device, max(b - a for a, b in slices)
         lse, z_y = None, torch.full((N,), float("nan"), dtype=acc, device=dev)   # NaN stays for a label no slice holds
-        # each slice's product and its fp32 copy go into two buffers made once (fresh memory per slice cost 5x the copy)
-        zbuf, fbuf = torch.empty(N * width, dtype=cdt, device=dev), torch.empty(N * width, dtype=acc, device=dev) if cdt != acc else None
+        keep_logits = num_chunks == 1   # no chunking asked for: every slice's logits stay (in the matmul dtype) and backward need not recompute them
+        # each slice's product and its fp32 copy go into buffers made once (fresh memory per slice cost 5x the copy)
+        zbuf = torch.empty(N * (V if keep_logits else width), dtype=cdt, device=dev)
+        fbuf = torch.empty(N * width, dtype=acc, device=dev) if cdt != acc or keep_logits else None
         with _no_autocast(dev.type):
             hs, w = hidden.reshape(-1, hidden.shape[-1]).to(cdt), weight.to(cdt)   # (N, D), (V, D): cast once per call
             for v0, v1 in slices:
-                z = torch.mm(hs, w[v0:v1].t(), out=_block(zbuf, N, v1 - v0))   # (N, v): every token's logits for this slice
+                out = zbuf[N * v0:N * v1].view(N, v1 - v0) if keep_logits else _block(zbuf, N, v1 - v0)
+                z = torch.mm(hs, w[v0:v1].t(), out=out)          # (N, v): every token's logits for this slice
                 if fbuf is not None: z = _block(fbuf, N, v1 - v0).copy_(z)     # upcast: the softmax statistics are fp32
                 if softcap is not None: z.div_(softcap).tanh_().mul_(softcap)   # soft-capped in place
                 inside = (y >= v0) & (y < v1)
@@ -93,13 +96,13 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 part = z.sub_(m).exp_().sum(-1).log_().add_(m.squeeze(-1))      # this slice's fp32 logsumexp, in place
                 lse = part if lse is None else torch.logaddexp(lse, part)       # merged: log(e^a + e^b)
         total = torch.where(keep, lse - z_y, 0.0).double().sum()   # per-token losses added in fp64
-        ctx.save_for_backward(hidden, weight, labels, normalizer, lse)
+        ctx.save_for_backward(hidden, weight, labels, normalizer, lse, *([zbuf] if keep_logits else []))
         ctx.slices, ctx.ignore_index, ctx.softcap, ctx.cdt = slices, ignore_index, softcap, cdt
         return (total / normalizer).to(acc)
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, weight, labels, normalizer, lse = ctx.saved_tensors
+        hidden, weight, labels, normalizer, lse, *kept = ctx.saved_tensors   # kept: the forward's logits (num_chunks=1)
         need_h, need_w = ctx.needs_input_grad[:2]
         cdt, D, V = ctx.cdt, hidden.shape[-1], weight.shape[0]   # the forward's dtype, autocast or not
         acc = torch.promote_types(cdt, torch.float32)
@@ -109,14 +112,15 @@ class _ChunkedLinearCE(torch.autograd.Function):
         gh = torch.zeros((y.numel(), D), dtype=acc, device=hidden.device) if need_h else None   # dh, summed over slices
         grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if need_w else None
         N, dev, width = y.numel(), hidden.device, max(b - a for a, b in ctx.slices)
-        zbuf, fbuf = torch.empty(N * width, dtype=cdt, device=dev), torch.empty(N * width, dtype=acc, device=dev) if cdt != acc else None
+        zbuf = torch.empty(N * width, dtype=cdt, device=dev)   # the recomputed products, then dz (kept logits are never written)
+        fbuf = torch.empty(N * width, dtype=acc, device=dev) if cdt != acc or kept else None
         hbuf = torch.empty((N, D), dtype=cdt, device=dev) if need_h and cdt != acc else None   # each slice's bf16 part of dh
         with _no_autocast(dev.type):
             hs, w = hidden.reshape(-1, D).to(cdt), weight.to(cdt)
             hs_w = hs.to(acc) if need_w and weight.dtype == acc else hs   # dW in the weight's dtype: fp32 products of the bf16 values
             for v0, v1 in ctx.slices:
                 ws, n = w[v0:v1], v1 - v0                          # (v, D) rows of the weight: a view, no copy
-                z = torch.mm(hs, ws.t(), out=_block(zbuf, N, n))  # (N, v): every token's logits for this slice
+                z = kept[0][N * v0:N * v1].view(N, n) if kept else torch.mm(hs, ws.t(), out=_block(zbuf, N, n))   # (N, v): this slice's logits
                 if fbuf is not None: z = _block(fbuf, N, n).copy_(z)
                 if ctx.softcap is None: t_, p = None, z.sub_(lse.unsqueeze(-1)).exp_()   # softmax, from the saved logsumexp
                 else:                                             # d(c tanh(z/c))/dz = 1 - tanh(z/c)^2
@@ -142,7 +146,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
 class ChunkedCrossEntropy(nn.Module):
     "Cross-entropy of `hidden @ output_weight.T` against `labels`, without materializing full logits."
     def __init__(self,
-                 num_chunks: int = 8, # at least this many vocabulary slices: at most 1/num_chunks of the logits alive at once
+                 num_chunks: int = 8, # at least this many vocabulary slices, at most 1/num_chunks of the logits alive; 1: all kept, none recomputed
                  ignore_index: int = -100, # label value that contributes nothing (prompt, padding)
                  reduction: str = "mean", # "mean" over non-ignored tokens, or "sum" for gradient accumulation
                  softcap: float | None = None, # logits = softcap * tanh(logits / softcap) first (the model's `final_softcap`)
