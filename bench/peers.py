@@ -167,7 +167,9 @@ class TorchtuneRun(Run):
         bad = [k for k in missing if "lora" not in k] + list(unexpected)
         if bad: raise RuntimeError(f"torchtune: checkpoint keys do not match the model: {bad[:5]}")
         if method == "lora": set_trainable_params(self.model, get_adapter_params(self.model))
-        # its recipes' fastest loss: the output projection in chunks, each upcast to fp32 inside the loss
+        # its recipes' loss: the output projection in `num_chunks` chunks of the sequence, each upcast to fp32 in the loss.
+        # On the CPU in bf16 pass num_chunks=1: a chunk is a (B, T/k, D) view that F.linear cannot fold into one mm, so
+        # matmul goes to bmm and copies the transposed (D, V) weight for every chunk (4.8 s each at the 1B shape)
         self.model.set_num_output_chunks(num_chunks)
         self.loss_fn = CEWithChunkedOutputLoss(num_output_chunks=num_chunks)
         self.finish(self.model.layers)
@@ -197,6 +199,7 @@ class HFRun(Run):
             from liger_kernel.transformers import apply_liger_kernel_to_llama
             apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
         model = transformers.LlamaForCausalLM.from_pretrained(d, dtype=_weights_dtype(precision), attn_implementation="sdpa").to(device)
+        model.config.use_cache = False   # training: no KV cache (compiled, its DynamicCache recompiled every layer until dynamo's limit)
         if method == "lora":
             import peft
             lc = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
@@ -258,6 +261,24 @@ def bf16_matmul_peak(device, n=2048, seconds=1.0, clock="wall") -> float:
         sync()
         best = max(best, reps * 2 * n ** 3 / max(now() - t0, 1e-9))
     return best
+
+
+def bf16_matmul_peaks(n=2048, seconds=0.3, reps=2) -> tuple:
+    """(FLOP per wall-second, FLOP per CPU-second) of a loop of n x n x n bf16 matmuls on the CPU, each the best
+    of the same timed bursts: short enough (0.3 s) to be measured right before and after every timed step."""
+    import time
+    a = torch.randn(n, n, dtype=torch.bfloat16)
+    b = torch.randn(n, n, dtype=torch.bfloat16)
+    a @ b
+    wall = cpu = 0.0
+    t_end = time.perf_counter() + seconds
+    while True:
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(reps): a @ b
+        t1, c1 = time.perf_counter(), time.process_time()
+        wall = max(wall, reps * 2 * n ** 3 / max(t1 - t0, 1e-9))
+        cpu = max(cpu, reps * 2 * n ** 3 / max(c1 - c0, 1e-9))
+        if t1 >= t_end: return wall, cpu
 
 
 def finite(x) -> bool:
