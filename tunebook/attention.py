@@ -5,12 +5,13 @@
 # %% ../nbs/01_attention.ipynb #03feef5a
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .core import no_autocast
 
 # %% auto #0
 __all__ = ['CPU_FP32_ATTENTION_MAX_LEN', 'RMSNorm', 'GemmaRMSNorm', 'llama3_scaled_freqs', 'longrope_attention_factor',
@@ -186,8 +187,7 @@ def sdpa(q, k, v, mask=None, is_causal: bool = False, scale: float | None = None
     "`F.scaled_dot_product_attention`; a bf16/fp16 CPU training step of short sequences runs it in fp32 (faster there)."
     if (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and torch.is_grad_enabled()
             and (q.requires_grad or k.requires_grad or v.requires_grad) and q.shape[2] <= CPU_FP32_ATTENTION_MAX_LEN):
-        off = torch.autocast("cpu", enabled=False) if torch.is_autocast_enabled("cpu") else contextlib.nullcontext()
-        with off:   # (no autocast node in a compiled graph when there is none to turn off: AOTAutograd's cache refuses one)
+        with no_autocast("cpu"):   # a no-op when none is on: AOTAutograd's cache refuses a compiled graph with an autocast node
             y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, is_causal=is_causal,
                                                scale=scale, enable_gqa=enable_gqa)
         return y.to(q.dtype)

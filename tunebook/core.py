@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['get_device', 'cpu_cores', 'get_dtype', 'dtype_name', 'seed_everything', 'count_params', 'human_bytes', 'human_count',
-           'patch', 'check_dir', 'check_file', 'read_json']
+__all__ = ['get_device', 'cpu_cores', 'get_dtype', 'dtype_name', 'no_autocast', 'seed_everything', 'count_params', 'human_bytes',
+           'human_count', 'patch', 'check_dir', 'check_file', 'read_json']
 
 # %% ../nbs/00_core.ipynb #4d675502
 def get_device(device: str | torch.device | None = "auto") -> torch.device:
@@ -48,6 +48,12 @@ def get_dtype(dtype: str | torch.dtype | None, default: torch.dtype = torch.floa
 def dtype_name(dtype: torch.dtype) -> str:
     "The name Hugging Face writes in config.json (`torch_dtype`) for `dtype`."
     return str(dtype).removeprefix("torch.")
+
+# %% ../nbs/00_core.ipynb #17a3d9f5
+def no_autocast(device_type: str):
+    "A context with autocast off for `device_type`; a no-op when it is off already (no autocast node in a compiled graph)."
+    import contextlib
+    return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else contextlib.nullcontext()
 
 # %% ../nbs/00_core.ipynb #4418c58a
 def seed_everything(seed: int = 0) -> None:

@@ -5,11 +5,11 @@
 # %% ../nbs/07_loss.ipynb #d5018e01
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .core import no_autocast
 
 # %% auto #0
 __all__ = ['CPU_VOCAB_SLICE', 'num_loss_tokens', 'cross_entropy_loss', 'ChunkedCrossEntropy']
@@ -41,10 +41,6 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     if common != torch.float64 and torch.is_autocast_enabled(dev): return torch.get_autocast_dtype(dev)
     return common
 
-def _no_autocast(device_type: str):
-    "Autocast off inside the passes (inputs are cast explicitly, once); a no-op when it is off already."
-    return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else contextlib.nullcontext()
-
 def _bounds(n: int, k: int) -> list[tuple[int, int]]:
     "The non-empty (start, end) ranges of `tensor_split` of n items into k parts (host integers: no device sync)."
     q, r = divmod(n, k)
@@ -58,9 +54,9 @@ def _vocab_slices(V: int, num_chunks: int, device: torch.device) -> list[tuple[i
     n = num_chunks if device.type != "cpu" else max(num_chunks, -(-V // CPU_VOCAB_SLICE))
     return _bounds(V, n)
 
-def _block(buf: torch.Tensor | None, rows: int, n: int) -> torch.Tensor | None:
-    "The first rows*n values of a flat buffer as a contiguous (rows, n) block: one buffer serves every slice."
-    return None if buf is None else buf[: rows * n].view(rows, n)
+def _block(buf: torch.Tensor, rows: int, n: int, start: int = 0) -> torch.Tensor:
+    "Columns start..start+n of a flat buffer laid out slice after slice, as a contiguous (rows, n) block (start=0: one buffer reused by every slice)."
+    return buf[rows * start: rows * (start + n)].view(rows, n)
 
 class _ChunkedLinearCE(torch.autograd.Function):
     "Sum (or mean) of cross-entropy over `hidden @ weight.T`, both passes by slices of the vocabulary (logsumexp merged across slices)."
@@ -83,10 +79,10 @@ class _ChunkedLinearCE(torch.autograd.Function):
         # each slice's product and its fp32 copy go into buffers made once (fresh memory per slice cost 5x the copy)
         zbuf = torch.empty(N * (V if keep_logits else width), dtype=cdt, device=dev)
         fbuf = torch.empty(N * width, dtype=acc, device=dev) if cdt != acc or keep_logits else None
-        with _no_autocast(dev.type):
+        with no_autocast(dev.type):
             hs, w = hidden.reshape(-1, hidden.shape[-1]).to(cdt), weight.to(cdt)   # (N, D), (V, D): cast once per call
             for v0, v1 in slices:
-                out = zbuf[N * v0:N * v1].view(N, v1 - v0) if keep_logits else _block(zbuf, N, v1 - v0)
+                out = _block(zbuf, N, v1 - v0, v0 if keep_logits else 0)   # kept: each slice in its own place
                 z = torch.mm(hs, w[v0:v1].t(), out=out)          # (N, v): every token's logits for this slice
                 if fbuf is not None: z = _block(fbuf, N, v1 - v0).copy_(z)     # upcast: the softmax statistics are fp32
                 if softcap is not None: z.div_(softcap).tanh_().mul_(softcap)   # soft-capped in place
@@ -115,12 +111,12 @@ class _ChunkedLinearCE(torch.autograd.Function):
         zbuf = torch.empty(N * width, dtype=cdt, device=dev)   # the recomputed products, then dz (kept logits are never written)
         fbuf = torch.empty(N * width, dtype=acc, device=dev) if cdt != acc or kept else None
         hbuf = torch.empty((N, D), dtype=cdt, device=dev) if need_h and cdt != acc else None   # each slice's bf16 part of dh
-        with _no_autocast(dev.type):
+        with no_autocast(dev.type):
             hs, w = hidden.reshape(-1, D).to(cdt), weight.to(cdt)
             hs_w = hs.to(acc) if need_w and weight.dtype == acc else hs   # dW in the weight's dtype: fp32 products of the bf16 values
             for v0, v1 in ctx.slices:
                 ws, n = w[v0:v1], v1 - v0                          # (v, D) rows of the weight: a view, no copy
-                z = kept[0][N * v0:N * v1].view(N, n) if kept else torch.mm(hs, ws.t(), out=_block(zbuf, N, n))   # (N, v): this slice's logits
+                z = _block(kept[0], N, n, v0) if kept else torch.mm(hs, ws.t(), out=_block(zbuf, N, n))   # (N, v): this slice's logits
                 if fbuf is not None: z = _block(fbuf, N, n).copy_(z)
                 if ctx.softcap is None: t_, p = None, z.sub_(lse.unsqueeze(-1)).exp_()   # softmax, from the saved logsumexp
                 else:                                             # d(c tanh(z/c))/dz = 1 - tanh(z/c)^2
