@@ -116,7 +116,7 @@ def _lm_eval_run(cfg, args) -> dict:
         return {t: {k: v for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)} for t, r in out["results"].items()}
     base = resolve_name(cfg.model, cfg.revision)
     if base == "embedded":
-        from tunebook.embedded import EMBEDDED_DIR
+        from tunebook.core import EMBEDDED_DIR
         base = EMBEDDED_DIR
     added = dict(lm_eval_tasks=args.eval_tasks)
     if Path(str(base)).is_dir(): added["lm_eval_before"] = scores(base)   # a builder name has random weights: nothing to score before
@@ -136,7 +136,7 @@ def _estimate(args) -> int:
     cfg = config_from_args(args, EstimateConfig)
     model = cfg.model
     if model == "embedded":
-        from tunebook.embedded import EMBEDDED_DIR
+        from tunebook.core import EMBEDDED_DIR
         model = str(EMBEDDED_DIR)
     r = estimate(model, **cfg.estimate_kwargs())
     out = r.to_dict()

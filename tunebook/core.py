@@ -5,6 +5,7 @@
 # %% ../nbs/00_core.ipynb #c4c13f37
 from __future__ import annotations
 
+import importlib.resources
 import json
 import os
 import random
@@ -14,8 +15,8 @@ import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['get_device', 'cpu_cores', 'get_dtype', 'dtype_name', 'no_autocast', 'seed_everything', 'count_params', 'human_bytes',
-           'human_count', 'patch', 'check_dir', 'check_file', 'read_json']
+__all__ = ['EMBEDDED_DIR', 'get_device', 'cpu_cores', 'get_dtype', 'dtype_name', 'no_autocast', 'seed_everything', 'count_params',
+           'human_bytes', 'human_count', 'patch', 'check_dir', 'check_file', 'read_json']
 
 # %% ../nbs/00_core.ipynb #4d675502
 def get_device(device: str | torch.device | None = "auto") -> torch.device:
@@ -119,3 +120,6 @@ def read_json(folder: Path, name: str, what: str) -> dict:
     if not f.exists(): raise FileNotFoundError(f"{f} does not exist: {folder} is not {what}.")
     try: return json.loads(f.read_text())
     except json.JSONDecodeError as e: raise ValueError(f"{f} is not valid JSON: {e}") from e
+
+# %% ../nbs/00_core.ipynb #8f794549
+EMBEDDED_DIR = Path(str(importlib.resources.files("tunebook") / "assets" / "embedded"))   # the shipped Hugging Face folder of the embedded model

@@ -112,7 +112,7 @@ def load_pairs(cfg, tokenizer, context: int | None = None):
               use_chat_template=None if cfg.chat_template else False, context=context)
     if cfg.data is None:
         if cfg.task is None:
-            from tunebook.embedded import FINETUNE_TASK   # same layer; embedded imports the trainers' modules
+            from tunebook.tasks import FINETUNE_TASK
         task = get_task(cfg.task or FINETUNE_TASK)
         train = make_preference_pairs(task.name, cfg.n_pairs, seed=cfg.seed, split="train")
         held = make_preference_pairs(task.name, max(cfg.n_eval_pairs, cfg.eval_samples), seed=cfg.seed, split="eval")

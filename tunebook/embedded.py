@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import time
-from importlib.resources import files
 from pathlib import Path
 
 import torch
 
 from .checkpoint import load_hf, save_hf
-from .core import count_params, human_bytes, seed_everything
+from .core import EMBEDDED_DIR, count_params, human_bytes, seed_everything
+from .tasks import FINETUNE_TASK, HELD_OUT_TASKS, PRETRAIN_TASKS
 from .data import TASKS, PackedDataset, SFTDataset, check_answer, make_loader, make_mixture, make_task, pack
 from .generate import generate
 from .loss import ChunkedCrossEntropy
@@ -24,16 +24,12 @@ from .train import Objective, TrainConfig, Trainer, lm_loss_sum, to_device
 from types import SimpleNamespace
 
 # %% auto #0
-__all__ = ['EMBEDDED_DIR', 'PRETRAIN_TASKS', 'FINETUNE_TASK', 'HELD_OUT_TASKS', 'MAX_ASSET_BYTES', 'SPECIAL_TOKENS',
-           'CHAT_TEMPLATE', 'ASSET_SHA256', 'FINETUNE_RECIPE', 'task_texts', 'make_tokenizer', 'chat_prompt',
-           'embedded_config', 'pretrain_data', 'Pretrain', 'fit', 'task_accuracy', 'make_embedded', 'folder_sha256',
-           'load_embedded']
+__all__ = ['MAX_ASSET_BYTES', 'SPECIAL_TOKENS', 'CHAT_TEMPLATE', 'ASSET_SHA256', 'FINETUNE_RECIPE', 'task_texts',
+           'make_tokenizer', 'chat_prompt', 'embedded_config', 'pretrain_data', 'Pretrain', 'fit', 'task_accuracy',
+           'make_embedded', 'folder_sha256', 'load_embedded']
 
 # %% ../nbs/90_embedded.ipynb #8287c0a7
-EMBEDDED_DIR = Path(str(files("tunebook") / "assets" / "embedded"))  # the shipped Hugging Face folder
-PRETRAIN_TASKS = ("add", "sub", "copy", "upper", "sort", "count", "lookup")  # what the model learned
-FINETUNE_TASK = "reverse"       # the default fine-tune task: never seen in pretraining
-HELD_OUT_TASKS = ("reverse", "devowel")  # tasks kept out of pretraining (for fine-tuning, RL, exercises)
+# EMBEDDED_DIR (tunebook.core) is the shipped folder; PRETRAIN_TASKS, FINETUNE_TASK and HELD_OUT_TASKS (tunebook.tasks) say which tasks it learned
 MAX_ASSET_BYTES = 8 * 2**20     # the folder stays below this
 
 # %% ../nbs/90_embedded.ipynb #004186c2

@@ -84,7 +84,7 @@ class KTO(Objective):
         evals = []
         if self.train_rows is None and c.data is None:
             if c.task is None:
-                from tunebook.embedded import FINETUNE_TASK   # same layer; embedded imports the trainers' modules
+                from tunebook.tasks import FINETUNE_TASK
             task = get_task(c.task or FINETUNE_TASK)
             self.train_rows = KTODataset(kto_rows(make_preference_pairs(task.name, c.n_examples, seed=c.seed, split="train")), tr.tokenizer, **kw)
             held = make_preference_pairs(task.name, max(c.n_eval_pairs, c.eval_samples), seed=c.seed, split="eval")

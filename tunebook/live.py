@@ -15,7 +15,7 @@ import pandas as pd
 import torch
 
 from .checkpoint import read_hf_config
-from .embedded import EMBEDDED_DIR
+from .core import EMBEDDED_DIR
 from .memory import MemoryReport, estimate, profile_step, rough_estimate, state_bytes
 from .model import BUILDERS, ModelConfig, get_config
 from .train import TrainConfig, Trainer

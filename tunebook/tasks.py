@@ -14,7 +14,8 @@ from typing import Callable
 import datasets
 
 # %% auto #0
-__all__ = ['TASKS', 'Task', 'list_tasks', 'get_task', 'make_task', 'make_mixture', 'check_answer', 'make_preference_pairs']
+__all__ = ['TASKS', 'PRETRAIN_TASKS', 'FINETUNE_TASK', 'HELD_OUT_TASKS', 'Task', 'list_tasks', 'get_task', 'make_task',
+           'make_mixture', 'check_answer', 'make_preference_pairs']
 
 # %% ../nbs/05b_tasks.ipynb #af6c4ea8
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -156,6 +157,11 @@ def make_task(name: str,                  # a key of `TASKS`
     _, rows = _generate(task, n, seed, split, eval_fraction, unique, difficulty)
     return datasets.Dataset.from_dict(dict(task=[task.name] * n, prompt=[p for p, _ in rows],
                                            response=[a for _, a in rows], answer=[a for _, a in rows]))
+
+# %% ../nbs/05b_tasks.ipynb #a9593d9f
+PRETRAIN_TASKS = ("add", "sub", "copy", "upper", "sort", "count", "lookup")  # what the embedded model learned in pretraining
+FINETUNE_TASK = "reverse"                   # the default fine-tune task: never seen in pretraining
+HELD_OUT_TASKS = ("reverse", "devowel")     # tasks kept out of pretraining (for fine-tuning, RL, exercises)
 
 # %% ../nbs/05b_tasks.ipynb #9f4f3ebf
 def make_mixture(names: list[str],          # task names

@@ -78,7 +78,7 @@ class GRPO(Objective):
     def prepare_data(self, tr):
         c, task = tr.config, tr.config.task
         if task is None and c.data is None and (self.prompts is None or (self.reward_fn is None and c.reward is None)):
-            from tunebook.embedded import FINETUNE_TASK
+            from tunebook.tasks import FINETUNE_TASK
             task = FINETUNE_TASK
         default = AnswerReward(c.answer_field) if c.data is not None and task is None else None
         self.reward_fn = self.reward_fn or default or load_reward(c.reward, task)   # a bad --reward is refused early

@@ -42,7 +42,7 @@ def model_width(cfg, model=None) -> int | None:
     name = str(cfg.model)
     if name.lower().replace("_", "-") in BUILDERS and not Path(name).exists(): return get_config(name).dim
     if name == "embedded":
-        from tunebook.embedded import EMBEDDED_DIR
+        from tunebook.core import EMBEDDED_DIR
         name = EMBEDDED_DIR
     try: c = json.loads((Path(name).expanduser() / "config.json").read_text())
     except (OSError, ValueError): return None
@@ -56,7 +56,7 @@ def load_model_and_tokenizer(cfg: TrainConfig):
     # fp32 master weights for the mixed modes (and for auto, whichever it picks), bf16 for bf16
     dtype = resolve_precision(cfg.dtype, device, model_width(cfg)).param_dtype
     if cfg.model == "embedded":
-        from tunebook.embedded import EMBEDDED_DIR
+        from tunebook.core import EMBEDDED_DIR
         path = EMBEDDED_DIR
     elif cfg.model.lower().replace("_", "-") in BUILDERS and not Path(cfg.model).exists():
         if cfg.tokenizer is None:
@@ -108,7 +108,7 @@ def split_data(cfg: TrainConfig, tokenizer, context: int | None = None, **sft_op
               train_on=cfg.train_on, use_chat_template=None if cfg.chat_template else False, **sft_options)
     if cfg.data is None:
         if cfg.task is None:
-            from tunebook.embedded import FINETUNE_TASK
+            from tunebook.tasks import FINETUNE_TASK
         task = get_task(cfg.task or FINETUNE_TASK)
         train = make_task(task.name, cfg.n_train, seed=cfg.seed, split="train")
         held = make_task(task.name, cfg.eval_samples, seed=cfg.seed, split="eval")

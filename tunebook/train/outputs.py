@@ -119,7 +119,7 @@ def _source_files(c) -> list[tuple[Path, tuple]]:
     "(folder, file names) to carry into model/: the tokenizer's files and the model's generation_config.json."
     def folder(name):
         if name == "embedded":
-            from tunebook.embedded import EMBEDDED_DIR
+            from tunebook.core import EMBEDDED_DIR
             return Path(EMBEDDED_DIR)
         return Path(name) if name and Path(name).is_dir() else None
     model_dir = folder(c.model)
