@@ -188,7 +188,8 @@ def held_out_kl(student, teacher, rows, kl_fn, batch_size: int = 32) -> float:
 class Distill(SFT):
     "A student learns a teacher's next-token distributions (forward KL, chunked), optionally the labels too."
     name, lead = "distill", "held_out_kl"
-    def __init__(self, teacher=None): super().__init__(); self.teacher = teacher
+    chunked_ce = "the cross-entropy term (ce_weight > 0) by vocabulary slices"
+    def __init__(self, teacher=None): super().__init__(); self.teacher, self.kl_fn = teacher, None
 
     def load_teacher(self, tr):
         "The teacher (loaded once from --teacher) and its tokenizer (None when it was given)."
@@ -215,18 +216,17 @@ class Distill(SFT):
 
     def prepare_data(self, tr):
         self.data_options = dict(train_on_prompt=tr.config.distill_on_prompt)   # the held-out rows are rendered the same way
-        super().prepare_data(tr)
+        return super().prepare_data(tr)
 
     def prepare_model(self, tr):
         c = tr.config
         self.load_teacher(tr)
         self.teacher.eval().requires_grad_(False)
-        tr.teacher = self.teacher
         caps = {n: getattr(m, "final_softcap", None) for n, m in (("teacher", self.teacher), ("student", tr.model))}
         if any(caps.values()):   # the chunked KL projects hidden states itself and has no cap: it would compare the wrong logits
             raise ValueError(f"distillation does not support a final logit soft-cap yet ({', '.join(f'{k} {v}' for k, v in caps.items() if v)}"
                              f"; Gemma models have one): use --teacher and a student without final_logit_softcapping.")
-        tr.kl_fn = self.kl_fn = ChunkedKLDiv(c.kl_chunks, reduction="sum", temperature=c.temperature)
+        self.kl_fn = ChunkedKLDiv(c.kl_chunks, reduction="sum", temperature=c.temperature)
 
     def loss(self, tr, batch):
         c = tr.config
@@ -247,7 +247,7 @@ class Distill(SFT):
         "Exact match of the student's answers; its held-out KL to the teacher and cross-entropy per counted token."
         out = super().evaluate(tr)
         if "eval_loss" in out: out["held_out_ce"] = out.pop("eval_loss")
-        if rows := self.held_out_rows(tr): out["held_out_kl"] = held_out_kl(tr.model, self.teacher, rows, self.kl_fn)
+        if tr.held_out: out["held_out_kl"] = held_out_kl(tr.model, self.teacher, tr.held_out, self.kl_fn)
         return out
 
     def lead_metric(self, tr) -> str: return self.lead

@@ -18,7 +18,7 @@ from .data import IGNORE_INDEX, collate_fn, encode_conversation, fit_max_new_tok
 from .logprobs import Reference, label_counts, sequence_logprobs, token_logprobs   # shared with GRPO and KTO
 from .preference import ipo_loss, orpo_loss, simpo_loss
 from .records import preference_example, with_system
-from .train import Objective, Trainer, evaluate_accuracy, exact_check, to_device
+from .train import Objective, RunData, Trainer, evaluate_accuracy, exact_check, to_device
 
 # %% auto #0
 __all__ = ['LOSSES', 'REFERENCE_FREE', 'BETAS', 'encode_pair', 'PreferenceDataset', 'collate_pairs', 'dpo_loss', 'pair_loss',
@@ -150,29 +150,28 @@ def preference_metrics(model, reference, pairs, kind: str = "dpo", beta: float =
 class DPO(Objective):
     "Preference pairs scored by a pair loss (dpo, ipo, simpo, orpo); `Trainer`'s loop does everything else."
     name, lead = "dpo", "preference_accuracy"
+    chunked_ce = "the policy's and the reference's sequence log-probabilities by vocabulary slices (`sequence_logprobs`)"
     pure_batches = True   # batch(tr, g) depends on g alone: built a step ahead on a thread where that pays (CUDA)
     def __init__(self, train_pairs=None, eval_pairs=None): self.train_pairs, self.eval_pairs, self.reference = train_pairs, eval_pairs, None
 
     def beta(self, c) -> float: return BETAS.get(c.loss, 0.1) if c.beta is None else c.beta
 
-    def prepare_data(self, tr):
+    def prepare_data(self, tr) -> RunData:
+        evals, check = tr.eval_data, tr.check   # what the caller gave
         if self.train_pairs is None:
-            self.train_pairs, held, evals, check = load_pairs(tr.config, tr.tokenizer, getattr(tr.model.config, "max_seq_len", None))
+            self.train_pairs, held, loaded, task_check = load_pairs(tr.config, tr.tokenizer, getattr(tr.model.config, "max_seq_len", None))
             self.eval_pairs = held if self.eval_pairs is None else self.eval_pairs
-            tr.eval_data = evals if tr.eval_data is None else tr.eval_data
-            tr.check = tr.check or check
-        tr.check, tr.eval_data = tr.check or exact_check, tr.eval_data or []
-        tr.rows = tr.train_pairs = self.train_pairs
-        tr.eval_pairs = self.eval_pairs
-        tr.max_seq_len = getattr(self.train_pairs, "max_seq_len", None) or tr.config.max_seq_len   # the data's choice (None: from the pairs)
-        tr.max_new_tokens, why = fit_max_new_tokens(tr.tokenizer, tr.eval_data, self.train_pairs.use_chat_template, tr.config.max_new_tokens)
-        tr.choices = dict(max_seq_len=tr.max_seq_len, max_seq_len_report=getattr(self.train_pairs, "length_report", "as given"),
-                          max_new_tokens=tr.max_new_tokens, max_new_tokens_report=why)
+            evals, check = loaded if evals is None else evals, check or task_check
+        pairs, evals = self.train_pairs, evals or []
+        max_seq_len = getattr(pairs, "max_seq_len", None) or tr.config.max_seq_len   # the data's choice (None: from the pairs)
+        max_new_tokens, why = fit_max_new_tokens(tr.tokenizer, evals, pairs.use_chat_template, tr.config.max_new_tokens)
+        return RunData(pairs, pairs, evals, check or exact_check, None, max_seq_len, max_new_tokens,
+                       dict(max_seq_len=max_seq_len, max_seq_len_report=getattr(pairs, "length_report", "as given"),
+                            max_new_tokens=max_new_tokens, max_new_tokens_report=why))
 
     def prepare_model(self, tr):
         c = tr.config
         if c.loss not in REFERENCE_FREE: self.reference = Reference(tr.model, "full" if c.method == "full" else "lora")
-        tr.reference = self.reference
 
     def batch(self, tr, g): return to_device(collate_pairs(self.rows_of(tr, g), tr.rows.pad_id), tr.model.embed_tokens.weight.device)
     def weight(self, tr, batch) -> int: return batch["tokens"].shape[0] // 2   # pairs

@@ -20,7 +20,7 @@ from .loss import ChunkedCrossEntropy
 from .model import ModelConfig, Transformer, build_model
 from .optim import warmup_cosine
 from .tokenizer import Tokenizer, load_tokenizer, train_tokenizer
-from .train import Objective, TrainConfig, Trainer, lm_loss_sum, to_device
+from .train import Objective, RunData, TrainConfig, Trainer, lm_loss_sum, to_device
 from types import SimpleNamespace
 
 # %% auto #0
@@ -75,10 +75,11 @@ def pretrain_data(tok: Tokenizer, tasks=PRETRAIN_TASKS, n_per_task: int = 6000, 
 class Pretrain(Objective):
     "Next-token loss on the batches a loader yields, in its order (restarted when exhausted): pretraining."
     name, needs_tokenizer = "pretrain", False
-    def __init__(self, loader): self.loader, self._it, self._next = loader, None, 0
-    def prepare_data(self, tr):
-        tr.rows = self.loader.dataset
+    chunked_ce = "the next-token loss by vocabulary slices (`ChunkedCrossEntropy`)"
+    def __init__(self, loader): self.loader, self._it, self._next, self._trains = loader, None, 0, None
+    def prepare_data(self, tr) -> RunData:
         self._trains = [p.requires_grad for p in tr.model.parameters()]   # what the caller left trainable (a LoRA model...)
+        return RunData(self.loader.dataset, self.loader.dataset, max_seq_len=tr.config.max_seq_len, max_new_tokens=tr.config.max_new_tokens)
     def prepare_model(self, tr):   # after the method: train exactly those
         for p, on in zip(tr.model.parameters(), self._trains): p.requires_grad_(on)
     def n_batches(self, tr): return None   # an endless source

@@ -18,7 +18,7 @@ from .data import fit_max_new_tokens, fit_max_seq_len, get_task, load_records, m
 from .dpo import PreferenceDataset, preference_metrics
 from .logprobs import Reference, sequence_logprobs
 from .preference import encode_answer, kto_examples, kto_loss, kto_reference_point, unpair
-from .train import Objective, Trainer, evaluate_accuracy, exact_check, to_device
+from .train import Objective, RunData, Trainer, evaluate_accuracy, exact_check, to_device
 
 # %% auto #0
 __all__ = ['kto_rows', 'KTODataset', 'kto_batch', 'global_reference_point', 'KTO', 'KTOPart', 'KTOConfig', 'KTOTrainer',
@@ -74,14 +74,15 @@ def global_reference_point(policy_kl: torch.Tensor, ref_kl: torch.Tensor) -> tor
 class KTO(Objective):
     "Unpaired desirable/undesirable answers; the loss of `tunebook.preference.kto_loss`; `Trainer`'s loop does the rest."
     name, lead = "kto", "preference_accuracy"
+    chunked_ce = "the policy's and the reference's sequence log-probabilities by vocabulary slices (`sequence_logprobs`)"
     pure_batches = True   # batch(tr, g) depends on g alone (its mismatched pairs too): built ahead where that pays (CUDA)
-    def __init__(self, train_rows=None, eval_pairs=None): self.train_rows, self.eval_pairs, self.held = train_rows, eval_pairs, None
+    def __init__(self, train_rows=None, eval_pairs=None): self.train_rows, self.eval_pairs, self.held, self.reference = train_rows, eval_pairs, None, None
 
     def prepare_data(self, tr):
         c = tr.config
         kw = dict(max_seq_len=c.max_seq_len, prompt_field=c.prompt_field, system_prompt=c.system_prompt,
                   use_chat_template=None if c.chat_template else False, context=getattr(tr.model.config, "max_seq_len", None))
-        evals = []
+        evals, check = [], tr.check
         if self.train_rows is None and c.data is None:
             if c.task is None:
                 from tunebook.tasks import FINETUNE_TASK
@@ -90,7 +91,7 @@ class KTO(Objective):
             held = make_preference_pairs(task.name, max(c.n_eval_pairs, c.eval_samples), seed=c.seed, split="eval")
             pairs = PreferenceDataset(held, tr.tokenizer, **kw)   # the pairs read the same columns
             self.eval_pairs = PreferenceDataset(held.select(range(c.n_eval_pairs)), tr.tokenizer, **kw) if self.eval_pairs is None else self.eval_pairs
-            evals, tr.check = [dict(messages=m, answer=a, where=w) for m, a, _, w in pairs.examples][:c.eval_samples], tr.check or task.check
+            evals, check = [dict(messages=m, answer=a, where=w) for m, a, _, w in pairs.examples][:c.eval_samples], check or task.check
         elif self.train_rows is None:
             rows = load_records(c.data)
             n_eval = max(1, int(len(rows) * c.eval_fraction))
@@ -98,15 +99,15 @@ class KTO(Objective):
             kw.update(completion_field=c.completion_field, label_field=c.label_field)
             self.train_rows, self.held = KTODataset(split["train"], tr.tokenizer, **kw), KTODataset(split["test"], tr.tokenizer, **kw)
             evals = [dict(messages=m, answer=a, where=w) for m, a, d, w in self.held.examples if d][:c.eval_samples]
-        tr.eval_data = evals if tr.eval_data is None else tr.eval_data
-        tr.check, tr.rows = tr.check or exact_check, self.train_rows
-        tr.max_seq_len = getattr(tr.rows, "max_seq_len", None) or c.max_seq_len   # the data's choice (None: from the rows)
-        tr.max_new_tokens, why = fit_max_new_tokens(tr.tokenizer, tr.eval_data or [], tr.rows.use_chat_template, c.max_new_tokens)
-        tr.choices = dict(max_seq_len=tr.max_seq_len, max_seq_len_report=getattr(tr.rows, "length_report", "as given"),
-                          max_new_tokens=tr.max_new_tokens, max_new_tokens_report=why)
+        evals, rows = (evals if tr.eval_data is None else tr.eval_data) or [], self.train_rows
+        max_seq_len = getattr(rows, "max_seq_len", None) or c.max_seq_len   # the data's choice (None: from the rows)
+        max_new_tokens, why = fit_max_new_tokens(tr.tokenizer, evals, rows.use_chat_template, c.max_new_tokens)
+        return RunData(rows, rows, evals, check or exact_check, None, max_seq_len, max_new_tokens,
+                       dict(max_seq_len=max_seq_len, max_seq_len_report=getattr(rows, "length_report", "as given"),
+                            max_new_tokens=max_new_tokens, max_new_tokens_report=why))
 
     def prepare_model(self, tr):
-        self.reference = tr.reference = Reference(tr.model, "full" if tr.config.method == "full" else "lora")
+        self.reference = Reference(tr.model, "full" if tr.config.method == "full" else "lora")
 
     def batch(self, tr, g): return kto_batch(tr.rows, self.rows_of(tr, g), tr.model.embed_tokens.weight.device)
 

@@ -15,7 +15,7 @@ from ..core import cpu_cores, patch
 from ..data import IGNORE_INDEX, make_task
 from ..logprobs import Reference
 from ..rundir import warn
-from ..train import Objective, Trainer, _prompt_messages, encode_prompt
+from ..train import Objective, RunData, Trainer, _prompt_messages, encode_prompt
 from .rollout import (AnswerReward, PACKED_KEYS, evaluate_reward, group_logprobs, load_reward, rollout_tensors,
                                    sample_groups)
 from .loss import group_advantages, grpo_loss, loss_units
@@ -56,6 +56,7 @@ def prompt_rows(cfg: GRPOConfig, tokenizer, task: str | None) -> tuple[list[dict
 class GRPO(Objective):
     "GRPO: each micro-batch is a rollout (sampled here, or by generator processes); the loss is one of `LOSS_TYPES`."
     name, lead = "grpo", "eval_reward"
+    chunked_ce = "the rollouts' token log-probabilities by vocabulary slices (`group_logprobs`)"
     pure_batches = False   # a rollout depends on the policy at the time, not on g alone: never built ahead on a thread
 
     def __init__(self, prompts=None, eval_prompts=None, reward_fn=None,
@@ -86,8 +87,8 @@ class GRPO(Objective):
             train, evals = prompt_rows(c, tr.tokenizer, task)
             self.prompts = self.prompts if self.prompts is not None else train
             self.eval_prompts = self.eval_prompts if self.eval_prompts is not None else evals
-        tr.rows = self.prompts
-        tr.callbacks.append(_ClosePool(self))
+        tr.callbacks.append(_ClosePool(self))   # stops the generators when the run is asked to stop, and when it ends
+        return RunData(self.prompts, self.prompts, max_seq_len=c.max_seq_len, max_new_tokens=c.max_new_tokens)   # eval: eval_prompts
 
     def prepare_model(self, tr):
         self.reference = Reference(tr.model, "full" if tr.config.method == "full" else "lora")

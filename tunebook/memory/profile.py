@@ -19,7 +19,7 @@ from .tracker import CATEGORIES, MemoryReport, MemoryTracker
 from ..optim import optimizer_in_backward as _optimizer_in_backward
 
 # %% auto #0
-__all__ = ['step_micro_batches', 'profile_step']
+__all__ = ['profile_step']
 
 # %% ../../nbs/08c_profile.ipynb #5a701327
 def _batch(model: nn.Module, batch_size: int, seq_len: int, device) -> dict:
@@ -29,32 +29,19 @@ def _batch(model: nn.Module, batch_size: int, seq_len: int, device) -> dict:
     labels[:, :-1] = tokens[:, 1:]
     return {"tokens": tokens, "labels": labels}
 
-def step_micro_batches(batches,                 # the step's micro-batches
-                       loss_of,                 # batch -> (loss, stats), forward and loss
-                       normalizer=1,            # each loss is backpropagated divided by this (the step's units)
-                       set_phase=None,          # phase -> None: tells a memory tracker where the step is
-                       context=None,            # () -> context manager around forward and loss (offloading, autocast)
-                       backward=None,           # loss -> None, instead of (loss / normalizer).backward() (FSDP's scaling)
-                      ) -> None:
-    "The micro-batches of one training step, as `Trainer.train_step` runs them and `profile_step` measures them."
-    set_phase = set_phase or (lambda p: None)
-    for b in batches:
-        set_phase("forward")
-        with context() if context is not None else nullcontext():
-            loss, _ = loss_of(b)
-        set_phase("backward")
-        if backward is not None: backward(loss)
-        else: (loss / normalizer).backward()
-        del loss
-
 def _train_step(model, batch, loss_fn, opt, offload, set_phase, accum: int = 1) -> None:
-    "The profiled step: `accum` micro-batches of the mean loss through `step_micro_batches`, then the optimizer."
+    "The profiled step: `accum` micro-batches, each forward and loss (under offloading) then backward of its share, then the optimizer."
     chunked = isinstance(loss_fn, ChunkedCrossEntropy)
-    def loss_of(b):
+    def loss_of(b):   # the output is freed on return, as in the trainer's step
         out = model(b["tokens"], return_hidden=chunked)
         set_phase("loss")   # `.forward`: not a module call, so MemTracker's module hooks don't hold gradients longer
-        return (loss_fn.forward(out, model.output_weight, b["labels"]) if chunked else cross_entropy_loss(out, b["labels"])), {}
-    step_micro_batches([batch] * accum, loss_of, accum, set_phase, offload)
+        return loss_fn.forward(out, model.output_weight, b["labels"]) if chunked else cross_entropy_loss(out, b["labels"])
+    for _ in range(accum):
+        set_phase("forward")
+        with offload() if offload is not None else nullcontext(): loss = loss_of(batch)
+        set_phase("backward")
+        (loss / accum).backward()
+        del loss
     set_phase("optimizer")
     opt.step()
     opt.zero_grad(set_to_none=True)

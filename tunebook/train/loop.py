@@ -35,7 +35,7 @@ def claim_output(self: Trainer):
     (self.out / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
     self.config.save_yaml(self.out / "config.yaml")   # the resolved config, every option with its help
     lines = [f"data {r}" for r in [getattr(self.train_data, "format_report", None)] if r]   # how the data was read
-    lines += [f"{k.removesuffix('_report')}: {v}" for k, v in getattr(self, "choices", {}).items() if k.endswith("_report")]
+    lines += [f"{k.removesuffix('_report')}: {v}" for k, v in self.choices.items() if k.endswith("_report")]
     lines.append(self.precision.report())   # what runs in which dtype, and why
     if lines:   # and the lengths chosen from it, with why
         with open(self.out / "log.txt", "a") as f: f.write("".join(l + "\n" for l in lines))

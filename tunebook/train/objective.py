@@ -5,7 +5,10 @@
 # %% ../../nbs/11e_train_objective.ipynb #1113ee88
 from __future__ import annotations
 
+import dataclasses
 import math
+import typing
+from dataclasses import dataclass, field
 
 import torch
 
@@ -14,7 +17,20 @@ from .evaluate import evaluate_accuracy, held_out_loss, lm_loss_sum, to_device
 from .load import exact_check, load_model_and_tokenizer, split_data
 
 # %% auto #0
-__all__ = ['Objective', 'SFT']
+__all__ = ['RunData', 'Objective', 'SFT']
+
+# %% ../../nbs/11e_train_objective.ipynb #dd69d433
+@dataclass
+class RunData:
+    "What an objective's `prepare_data` gives the loop: the rows it trains on and what eval needs."
+    train_data: typing.Any                 # the training data as read and tokenized (rows, pairs or prompts)
+    rows: typing.Sequence                  # what `rows_of` draws micro-batches from: `train_data`, or its packed rows
+    eval_data: list = field(default_factory=list)  # held-out prompts with answers, generated and checked at eval
+    check: typing.Callable = exact_check   # (completion, answer) -> bool: eval's exact match
+    held_out: list | None = None           # tokenized held-out rows scored by loss (None: none)
+    max_seq_len: int | None = None         # tokens per row, as the data chose them (or as set)
+    max_new_tokens: int | None = None      # eval: tokens generated per held-out prompt
+    choices: dict = field(default_factory=dict)  # what was chosen from the data and why: the run log and summary.json
 
 # %% ../../nbs/11e_train_objective.ipynb #5a5574cd
 class Objective:
@@ -22,13 +38,17 @@ class Objective:
     name: str = "objective"
     lead: str = "eval_accuracy"   # the eval metric the summary leads with
     needs_tokenizer: bool = True  # a model object given without one is refused
+    pure_batches: bool = False    # batch(tr, g) depends on g alone (no rollouts, no stream state): built a step ahead where that pays
 
     def load_model(self, tr) -> tuple:
         "(model, tokenizer) when the trainer was given none: by default what the config names."
         return load_model_and_tokenizer(tr.config)
 
-    def prepare_data(self, tr) -> None:
-        "Load or build the training rows (`tr.rows`) and the held-out data; tr.model, tr.tokenizer, tr.config are set."
+    chunked_ce: str | None = None   # what the option `chunked_ce` (vocabulary slices) does for this objective; None: refused
+
+    def prepare_data(self, tr) -> RunData:
+        "The training rows and the held-out data; tr.model, tr.tokenizer, tr.config and what the caller gave are set."
+        raise NotImplementedError(f"{type(self).__name__}.prepare_data")
 
     def prepare_model(self, tr) -> None:
         "After the method (LoRA...) and memory techniques, before sharding and the optimizer: a reference, a teacher."
@@ -41,10 +61,10 @@ class Objective:
     def rows_of(self, tr, g: int) -> list:
         "This process's rows of micro-batch `g`: one permutation per epoch drawn from seed + epoch, so resuming is setting the step."
         epoch, i = divmod(g, tr.n_batches)
-        if getattr(tr, "_order", (None,))[0] != epoch:
-            tr._order = (epoch, torch.randperm(len(tr.rows), generator=torch.Generator().manual_seed(tr.config.seed + epoch)))
+        if tr.epoch_order is None or tr.epoch_order[0] != epoch:
+            tr.epoch_order = (epoch, torch.randperm(len(tr.rows), generator=torch.Generator().manual_seed(tr.config.seed + epoch)))
         bs = tr.config.batch_size
-        return [tr.rows[j] for j in tr._order[1][i * bs:(i + 1) * bs].tolist()[tr.rank::tr.world]]
+        return [tr.rows[j] for j in tr.epoch_order[1][i * bs:(i + 1) * bs].tolist()[tr.rank::tr.world]]
 
     def batch(self, tr, g: int) -> dict:
         "The g-th micro-batch of the run, on the model's device."
@@ -79,6 +99,8 @@ class Objective:
 
     def problems(self, config) -> list[str]:
         "Options this objective refuses beyond the config's own checks, each with its fix."
+        if config.chunked_ce and self.chunked_ce is None:
+            return [f"{config.opt('chunked_ce')}: {type(self).__name__} computes no loss by vocabulary slices; leave it out"]
         return []
 
     def __repr__(self): return f"{type(self).__name__}()"
@@ -89,21 +111,24 @@ class SFT(Objective):
     name, lead = "sft", "eval_accuracy"
     def __init__(self, **data_options): self.data_options = data_options   # more `SFTDataset` options (e.g. train_on_prompt)
 
-    def prepare_data(self, tr):
-        c = tr.config
-        if tr.train_data is None:
+    @property
+    def pure_batches(self) -> bool: return type(self).batch is SFT.batch   # a subclass with batches of its own says so itself
+
+    chunked_ce = "the output projection and the cross-entropy by vocabulary slices (`ChunkedCrossEntropy`), in training and for the held-out loss"
+
+    def prepare_data(self, tr) -> RunData:
+        c, train, evals, check, held = tr.config, tr.train_data, tr.eval_data, tr.check, tr.held_out   # what the caller gave
+        if train is None:
             d = split_data(c, tr.tokenizer, context=getattr(tr.model.config, "max_seq_len", None), **self.data_options)
-            tr.train_data = d.train
-            tr.eval_data = tr.eval_data if tr.eval_data is not None else d.evals
-            tr.check = tr.check or d.check
-            tr.held_out = d.held_out if tr.held_out is None else tr.held_out
-        tr.check = tr.check or exact_check
-        tr.max_seq_len = getattr(tr.train_data, "max_seq_len", None) or c.max_seq_len   # the data layer's choice (None: from the data)
-        tr.max_new_tokens, why = fit_max_new_tokens(tr.tokenizer, tr.eval_data or [], getattr(tr.train_data, "use_chat_template", None),
-                                                    c.max_new_tokens)
-        tr.choices = dict(max_seq_len=tr.max_seq_len, max_seq_len_report=getattr(tr.train_data, "length_report", "as given"),
-                          max_new_tokens=tr.max_new_tokens, max_new_tokens_report=why)
-        tr.rows = pack(tr.train_data, tr.max_seq_len) if c.packing else tr.train_data
+            train, evals, check = d.train, d.evals if evals is None else evals, check or d.check
+            held = d.held_out if held is None else held
+        evals, template = evals or [], getattr(train, "use_chat_template", None)   # a caller's plain dataset has neither attribute
+        max_seq_len = getattr(train, "max_seq_len", None) or c.max_seq_len   # the data layer's choice (None: from the data)
+        max_new_tokens, why = fit_max_new_tokens(tr.tokenizer, evals, template, c.max_new_tokens)
+        if held is None and evals: held = self.held_out_rows(tr.tokenizer, evals, template)
+        return RunData(train, pack(train, max_seq_len) if c.packing else train, evals, check or exact_check, held, max_seq_len,
+                       max_new_tokens, dict(max_seq_len=max_seq_len, max_seq_len_report=getattr(train, "length_report", "as given"),
+                                            max_new_tokens=max_new_tokens, max_new_tokens_report=why))
 
     def batch(self, tr, g):
         batch = collate_fn(self.rows_of(tr, g), pad_id=getattr(tr.rows, "pad_id", 0))
@@ -112,16 +137,14 @@ class SFT(Objective):
 
     def loss(self, tr, batch): return lm_loss_sum(tr.model, batch, tr.loss_fn), {}
 
-    def held_out_rows(self, tr):
-        "Tokenized held-out rows for the loss: the data's own, else the eval prompts with their answers, rendered as training rendered them."
-        if tr.held_out is None and tr.eval_data:
-            tpl = getattr(tr.train_data, "use_chat_template", None)
-            rows = []
-            for e in tr.eval_data:
-                ids, mask = encode_conversation(tr.tokenizer, list(e["messages"]) + [{"role": "assistant", "content": str(e["answer"])}], tpl)
-                rows.append(dict(tokens=ids, labels=shift_labels(ids, mask)))
-            tr.held_out = rows
-        return tr.held_out
+    @staticmethod
+    def held_out_rows(tokenizer, evals: list, template=None) -> list[dict]:
+        "Tokenized held-out rows for the loss when the data has none: the eval prompts with their answers, rendered as training rendered them."
+        rows = []
+        for e in evals:
+            ids, mask = encode_conversation(tokenizer, list(e["messages"]) + [{"role": "assistant", "content": str(e["answer"])}], template)
+            rows.append(dict(tokens=ids, labels=shift_labels(ids, mask)))
+        return rows
 
     def evaluate(self, tr):
         out = {}
@@ -131,7 +154,7 @@ class SFT(Objective):
             tr.write_samples(tr.last_eval[:3])
             out["eval_accuracy"] = acc
         else: out["eval_accuracy"] = float("nan")   # open-ended text: nothing to match (the loss leads)
-        if rows := self.held_out_rows(tr): out["eval_loss"] = held_out_loss(tr.model, rows, loss_fn=tr.loss_fn)
+        if tr.held_out: out["eval_loss"] = held_out_loss(tr.model, tr.held_out, loss_fn=tr.loss_fn)
         return out
 
     def lead_metric(self, tr) -> str:
@@ -140,4 +163,4 @@ class SFT(Objective):
 
     def summary(self, tr) -> dict:
         "The lengths chosen from the data (or as set), and why."
-        return dict(getattr(tr, "choices", {}))
+        return dict(tr.choices)

@@ -66,7 +66,7 @@ def run_stats(self: Trainer) -> dict:
                 tokens_per_second=seq / secs if secs else None, trained_tokens_per_second=trained / secs if secs else None,
                 train_seconds=secs, peak_memory_bytes=peak, peak_memory_measured_by=how,
                 trainable_params=self.n_trainable, total_params=count_params(self.model), method=self.config.method,
-                precision=self.precision.name, precision_report=self.precision.report(), compile=bool(getattr(self.config, "compile", False)),
+                precision=self.precision.name, precision_report=self.precision.report(), compile=self.config.compile,
                 stopped_early=self.step < self.config.max_steps)
 
 @patch

@@ -40,7 +40,7 @@ def _set_rng_state(s: dict):
 def _progress(self: Trainer) -> dict:
     "What progress.json holds: step, metrics, options, the baseline measurements and the data's fingerprint."
     return dict(step=self.step, metrics=self.metrics, config=self.config.to_dict(), baseline=self.baseline,
-                data_sha256=getattr(self, "data_sha256", None), precision=self.precision.record())
+                data_sha256=self.data_sha256, precision=self.precision.record())
 
 @patch
 def save_checkpoint(self: Trainer, keep: int = 2) -> Path:
@@ -118,7 +118,7 @@ def _check_same_run(self: Trainer, path: Path, prog: dict):
                          + ", ".join(f"{k} was {a!r}, now {b!r}" for k, (a, b) in changed.items())
                          + ". Use the same options, or start a new run in another --output-dir.")
     if (msg := resume_problem(saved, self.precision)): raise ValueError(f"cannot resume from {path}: {msg}")
-    was, now_sha = prog.get("data_sha256"), getattr(self, "data_sha256", None)
+    was, now_sha = prog.get("data_sha256"), self.data_sha256
     if was and now_sha and was != now_sha:
         raise ValueError(f"cannot resume from {path}: the data file {self.config.data} changed since that run started "
                          f"(sha256 {was[:12]}... now {now_sha[:12]}...). Restore the file, or start a new run in another --output-dir.")

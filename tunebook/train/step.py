@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,19 +15,13 @@ import torch.distributed as dist
 
 from ..core import patch
 from ..data import IGNORE_INDEX
-from ..memory.profile import step_micro_batches
 from ..rundir import NonFiniteError, nonfinite_report
-from .objective import SFT
 from .trainer import Trainer
 
 # %% auto #0
-__all__ = ['profile_config']
+__all__ = ['step_micro_batches']
 
 # %% ../../nbs/11g_train_step.ipynb #4908c196
-def _pure_batches(obj) -> bool:
-    "Whether the objective's `batch(tr, g)` depends on g alone (no rollouts, no stream state): SFT's, or one that says so."
-    return getattr(obj, "pure_batches", type(obj).batch is SFT.batch)
-
 @patch
 def build_step_batches(self: Trainer, step: int) -> tuple[list, list]:
     "The micro-batches of optimizer step `step` and their weights (units each covers)."
@@ -39,29 +32,47 @@ def build_step_batches(self: Trainer, step: int) -> tuple[list, list]:
 @patch
 def step_batches(self: Trainer) -> tuple[list, list]:
     "This step's micro-batches and weights; with prefetching, taken from the background build and the next step's started."
-    ahead, self._ahead = getattr(self, "_ahead", None), None
+    ahead, self._ahead = self._ahead, None
     out = ahead[1].result() if ahead is not None and ahead[0] == self.step else self.build_step_batches(self.step)
-    on = getattr(self, "prefetch", None)   # None: on where it pays (CUDA) for objectives whose batches are pure
-    if on is None: on = self.model.embed_tokens.weight.device.type == "cuda" and _pure_batches(self.objective)
+    on = self.prefetch   # None: on where it pays (CUDA) for objectives whose batches depend on g alone
+    if on is None: on = self.model.embed_tokens.weight.device.type == "cuda" and self.objective.pure_batches
     if on and self.step + 1 < self.config.max_steps:
-        if getattr(self, "_prefetcher", None) is None: self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="tunebook-batches")
+        if self._prefetcher is None: self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="tunebook-batches")
         self._ahead = (self.step + 1, self._prefetcher.submit(self.build_step_batches, self.step + 1))
     return out
 
 @patch
 def stop_prefetch(self: Trainer):
     "Drop a batch built ahead and end the background thread (the loop calls it however it ends)."
-    ahead, self._ahead = getattr(self, "_ahead", None), None
+    ahead, self._ahead = self._ahead, None
     if ahead is not None: ahead[1].cancel()
-    if getattr(self, "_prefetcher", None) is not None: self._prefetcher.shutdown(wait=True); self._prefetcher = None
+    if self._prefetcher is not None: self._prefetcher.shutdown(wait=True); self._prefetcher = None
 
 # %% ../../nbs/11g_train_step.ipynb #63caeefb
+def step_micro_batches(batches,                 # the step's micro-batches
+                       loss_of,                 # batch -> (loss, stats), forward and loss
+                       normalizer=1,            # each loss is backpropagated divided by this (the step's units)
+                       set_phase=None,          # phase -> None: tells a memory tracker where the step is
+                       context=None,            # () -> context manager around forward and loss (offloading, autocast)
+                       backward=None,           # loss -> None, instead of (loss / normalizer).backward() (FSDP's scaling)
+                      ) -> None:
+    "Forward, loss and backward of each micro-batch of one step, in order, each loss freed before the next forward."
+    set_phase = set_phase or (lambda p: None)
+    for b in batches:
+        set_phase("forward")
+        with context() if context is not None else contextlib.nullcontext():
+            loss, _ = loss_of(b)
+        set_phase("backward")
+        if backward is not None: backward(loss)
+        else: (loss / normalizer).backward()
+        del loss
+
 @patch
 def _memory_tracker(self: Trainer):
     "A `MemoryTracker` watching the model and optimizer, or None when this step is not profiled."
-    if self.world > 1 or not (getattr(self.config, "profile_memory", False) or self.step < 2): return None
+    if self.world > 1 or not (self.config.profile_memory or self.step < 2): return None
     from tunebook.memory import MemoryTracker
-    opts = list(self.optimizer.optimizers.values()) if getattr(self.config, "optimizer_in_backward", False) else [self.optimizer]
+    opts = list(self.optimizer.optimizers.values()) if self.config.optimizer_in_backward else [self.optimizer]
     return MemoryTracker(self.model.embed_tokens.weight.device).watch(self.model, *opts)
 
 @patch
@@ -131,7 +142,7 @@ def train_step(self: Trainer) -> dict:
     if self.world > 1:
         from tunebook.distributed import dp_loss
         backward = lambda l: scale(dp_loss(l, n_local)).backward()   # FSDP averages gradients: scale to the global mean
-    oib = getattr(c, "optimizer_in_backward", False)
+    oib = c.optimizer_in_backward
     counts = [(b["labels"] != IGNORE_INDEX).sum() for b in batches if "labels" in b]
     with tracker if tracker is not None else contextlib.nullcontext():
         step_micro_batches(batches, loss_of, max(n_local, 1), None if tracker is None else (lambda p: setattr(tracker, "phase", p)),
@@ -185,20 +196,3 @@ def check_finite(self: Trainer, loss: float, grad_norm: float | None):
     if msg is not None:
         self.optimizer.zero_grad(set_to_none=True) if hasattr(self.optimizer, "zero_grad") else None
         raise NonFiniteError(msg)
-
-# %% ../../nbs/11g_train_step.ipynb #db33049e
-def profile_config(config, warmup_steps: int = 1, **trainer_kw) -> "MemoryReport":
-    "Peak memory by category of one `Trainer.train_step` of `config` (after `warmup_steps` real steps), measured by the lean tracker."
-    from tunebook.memory import MemoryReport
-    t0 = time.perf_counter()
-    cfg = dataclasses.replace(config, profile_memory=True, max_steps=max(config.max_steps, warmup_steps + 1))
-    tr = Trainer(cfg, **trainer_kw).setup()
-    if tr.world > 1: raise ValueError("profile_config measures one process: profile with nproc=1 (FSDP's shards: tunebook.memory.formulas).")
-    for _ in range(warmup_steps): tr.train_step()
-    tr.train_step()
-    t, dev = tr.last_tracker, tr.model.embed_tokens.weight.device
-    settings = {k: getattr(cfg, k) for k in ("method", "batch_size", "grad_accum_steps", "max_seq_len", "dtype", "chunked_ce",
-                                             "activation_checkpointing", "activation_offloading", "optimizer_in_backward")}
-    return MemoryReport(t.peak, dict(t.peak_categories), t.peak_phase,
-                        f"measured: step {tr.step} of Trainer.train_step ({tr.objective.name}) on {dev}, lean dispatch-mode tracker",
-                        settings, t.peak_offloaded, time.perf_counter() - t0, peak_with_host_bytes=t.peak_with_host)

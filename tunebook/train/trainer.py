@@ -5,13 +5,14 @@
 # %% ../../nbs/11f_trainer.ipynb #4721b5d8
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ..config import TrainConfig
+from ..config import TUNED, TrainConfig
 from ..core import count_params, get_device, seed_everything
 from ..precision import resolve_precision
 from ..loggers import make_loggers
@@ -29,14 +30,24 @@ class Trainer:
     "A training run: `fit()` does it all; `setup()` / `train_step()` / `evaluate()` do it a piece at a time. What is trained: `objective`."
     def __init__(self, config: TrainConfig | None = None, model=None, tokenizer=None,
                  train_data=None, eval_data=None, check=None, callbacks=(), objective: Objective | None = None):
-        self.config = (config or TrainConfig()).validate()
-        self.objective = objective if objective is not None else _default_objective(self)
+        self.config = dataclasses.replace(config or TrainConfig()).validate()   # the run's own copy: setup fills lr / batch_size left None
+        self.objective = objective if objective is not None else SFT()
         if bad := _loop_problems(self.config) + self.objective.problems(self.config):
             raise ValueError(f"invalid {self.config._kind} options:\n  - " + "\n  - ".join(bad))
+        # what the caller gave (None: setup loads what the config names)
         self.model, self.tokenizer, self.train_data, self.eval_data, self.check = model, tokenizer, train_data, eval_data, check
-        self.held_out = None   # tokenized held-out rows (the objective's): scored by loss
-        self.recipe: dict = {}   # setup fills lr / batch_size left None from the config's recipe for the model: what and why
-        self.max_seq_len, self.max_new_tokens = self.config.max_seq_len, getattr(self.config, "max_new_tokens", None)   # setup may choose them
+        # the data as the objective prepared it (`RunData`), set by setup
+        self.rows, self.held_out, self.max_seq_len, self.max_new_tokens, self.choices = None, None, None, None, {}
+        self.recipe: dict = {}        # setup fills lr / batch_size left None from the config's recipe for the model: what and why
+        self.precision = self.scaler = None   # setup resolves what runs in which dtype on the loaded model (and fp16-mixed's loss scaler)
+        self.loss_fn = self.offload = None    # the memory techniques' objects, set by setup when they are on
+        self.optimizer = self.scheduler = None
+        self.n_batches = self.n_trainable = self.data_sha256 = None
+        self.epoch_order = None       # (epoch, permutation of the rows) of the epoch being drawn (`Objective.rows_of`)
+        self.prefetch = None          # build the next step's batches on a thread: None (on where it pays), True or False
+        self._ahead = self._prefetcher = None   # the batches being built ahead, and the thread building them
+        self.last_eval: list = []     # (prompt, completion, answer, ok) of the last eval
+        self.last_tracker = None      # the memory tracker of the last profiled step
         self.callbacks, self.step, self.metrics, self.is_setup, self.should_stop = list(callbacks), 0, [], False, False
         try: self.callbacks += make_loggers(self.config.loggers)   # trackers hear the same on_step / on_eval / on_end
         except ImportError as e: raise ValueError(f"--logger {self.config.loggers}: {e}") from None
@@ -44,9 +55,6 @@ class Trainer:
         self.summary: dict = {}
         self.baseline: dict = {}   # the "before" measurements: kept in checkpoints, so a resumed run reports the true ones
         self.lock = RunLock(self.out)
-        self.loss_fn = self.offload = None  # set by _apply_memory_techniques
-        self.precision = resolve_precision(self.config.dtype, get_device(self.config.device), model_width(self.config, model))   # what runs in which dtype
-        self.scaler = self.precision.make_scaler()   # fp16-mixed only: the loss scaler
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.is_main = self.rank == 0
 
@@ -55,13 +63,18 @@ class Trainer:
         c, obj = self.config, self.objective
         seed_everything(c.seed)
         if self.model is None: self.model, tok = obj.load_model(self); self.tokenizer = self.tokenizer or tok
-        if c.dtype == "auto":   # re-resolved on the loaded model (a hub name's width is known only now); weights stay fp32 either way
-            self.precision = resolve_precision(c.dtype, get_device(c.device), model_width(c, self.model))
+        # once, on the model that trains (a hub name's width is known only now); fp32 master weights for the mixed modes
+        self.precision = resolve_precision(c.dtype, get_device(c.device), model_width(c, self.model))
+        self.scaler = self.precision.make_scaler()   # fp16-mixed only: the loss scaler
         if not self.recipe:   # lr / batch_size left None: the recipe for this model (embedded, or real by its width) and method
-            self.config, self.recipe = c.with_defaults(model_width(c, self.model)); c = self.config
+            filled, self.recipe = c.with_defaults(model_width(c, self.model))
+            for k in TUNED:
+                if hasattr(c, k): setattr(c, k, getattr(filled, k))
         if self.tokenizer is None and obj.needs_tokenizer: raise ValueError("pass a tokenizer together with a model object")
-        obj.prepare_data(self)
-        self.choices = {**getattr(self, "choices", {}), **self.recipe}   # the run log and summary.json say what was chosen and why
+        d = obj.prepare_data(self)
+        self.train_data, self.rows, self.eval_data, self.check, self.held_out = d.train_data, d.rows, d.eval_data, d.check, d.held_out
+        self.max_seq_len, self.max_new_tokens = d.max_seq_len, d.max_new_tokens
+        self.choices = {**d.choices, **self.recipe}   # the run log and summary.json say what was chosen and why
         self._check_context()
         self.n_batches = obj.n_batches(self)
         if self.n_batches == 0:
@@ -71,7 +84,7 @@ class Trainer:
         if self.world != c.nproc:
             raise ValueError(f"the config asks for nproc={c.nproc} but {self.world} process(es) are running; "
                              "start with `tunebook finetune --nproc N` (it launches torchrun) or set nproc to match.")
-        if getattr(c, "compile", False):   # regional: every block (and the chunked loss), after LoRA/checkpointing, before FSDP
+        if c.compile:   # regional: every block (and the chunked loss), after LoRA/checkpointing, before FSDP
             from tunebook.compile import compile_model
             compile_model(self.model, self.loss_fn)
         obj.prepare_model(self)
@@ -82,7 +95,7 @@ class Trainer:
 
     def _check_context(self):
         "Refuse a max_seq_len beyond the positions the model was trained for."
-        ctx = getattr(self.model.config, "max_seq_len", None)
+        ctx = getattr(self.model.config, "max_seq_len", None)   # a model object from elsewhere may not say
         if ctx and self.config.max_seq_len is not None and self.config.max_seq_len > ctx:
             raise ValueError(f"{self.config.opt('max_seq_len')} is beyond the model's context of {ctx} positions "
                              f"(max_position_embeddings): set --max-seq-len {ctx} or less.")
@@ -112,15 +125,16 @@ class Trainer:
                    dropout=c.lora_dropout, quantize_base=c.method == "qlora")
 
     def _apply_memory_techniques(self):
+        "The techniques every objective gets from the loop; `chunked_ce` only where the objective declares what it does (else refused)."
         c = self.config
         # a final logit soft-cap (Gemma) is applied by the chunked loss as the model's own forward applies it
         self.loss_fn = ChunkedCrossEntropy(c.chunked_ce, reduction="sum", softcap=getattr(self.model, "final_softcap", None) or None) \
-            if getattr(c, "chunked_ce", 0) else None
-        if getattr(c, "activation_checkpointing", False):
+            if c.chunked_ce else None
+        if c.activation_checkpointing:
             from tunebook.memory import apply_activation_checkpointing
             apply_activation_checkpointing(self.model)
         self.offload = None
-        if getattr(c, "activation_offloading", False):
+        if c.activation_offloading:
             from tunebook.memory import OffloadActivations
             self.offload = OffloadActivations()
 
@@ -129,7 +143,7 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params: raise ValueError("nothing to train: no parameter requires grad")
         hp = {"lr": c.lr, "weight_decay": c.weight_decay, "fused": fused_available(params[0].device), **self.objective.optimizer_options(self)}
-        if getattr(c, "optimizer_in_backward", False):
+        if c.optimizer_in_backward:
             self.optimizer = optimizer_in_backward(self.model, torch.optim.AdamW, **hp)
         else:   # weight decay on matrices only, never on norms and biases (one policy for every run)
             groups = [{"params": [p for p in params if p.dim() >= 2]}, {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
@@ -163,10 +177,7 @@ class Trainer:
 
 def _loop_problems(c) -> list[str]:
     "Options the loop itself cannot honour together."
-    if str(c.dtype) == "fp16-mixed" and getattr(c, "optimizer_in_backward", False):
+    if str(c.dtype) == "fp16-mixed" and c.optimizer_in_backward:
         return ["dtype='fp16-mixed' with optimizer_in_backward: the loss scaler cannot unscale per-parameter steps inside "
                 "backward; use bf16-mixed, or turn optimizer_in_backward off"]
     return []
-
-def _default_objective(tr) -> Objective:
-    return SFT()
