@@ -20,10 +20,11 @@ from tunebook.checkpoint import save_hf
 from tunebook.cli import _parse, build_parser, config_from_args, main
 from tunebook.data import make_task
 from tunebook.model import build_model, pico
+from tunebook.objectives import OBJECTIVES, commands
 from tunebook.tokenizer import train_tokenizer
 
 LM_TASKS = []   # filled by the env fixture
-COMMANDS = ("finetune", "estimate", "compare", "dpo", "distill", "grpo")
+COMMANDS = commands()   # every objective's subcommand (the table of objectives), estimate and compare
 PASSTHROUGH = ("generate", "chat", "eval")   # their own parsers (tunebook.chat, tunebook.lmeval) and tests (test_chat, test_lmeval)
 
 
@@ -79,6 +80,10 @@ def env(tmp_path_factory):
     pairs = [dict(prompt=r["prompt"], chosen=r["response"], rejected=r["response"][1:] or "x") for r in rows]
     (root / "p.jsonl").write_text("\n".join(json.dumps(p) for p in pairs))
     (root / "pg.jsonl").write_text("\n".join(json.dumps(dict(prompt=p["prompt"], good=p["chosen"], bad=p["rejected"])) for p in pairs))
+    kto = [dict(prompt=r["prompt"], completion=r["response"] if i % 2 else r["response"][1:] or "x", label=bool(i % 2)) for i, r in enumerate(rows)]
+    (root / "k.jsonl").write_text("\n".join(json.dumps(k) for k in kto))
+    (root / "kq.jsonl").write_text("\n".join(json.dumps(dict(question=k["prompt"], answer=k["completion"], good=k["label"])) for k in kto))
+    (root / "kc.jsonl").write_text("\n".join(json.dumps(dict(conv=[dict(role="user", content=k["prompt"])], completion=k["completion"], label=k["label"])) for k in kto))
     (root / "pq.jsonl").write_text("\n".join(json.dumps(dict(question=p["prompt"], chosen=p["chosen"], rejected=p["rejected"])) for p in pairs))
     (root / "ga.jsonl").write_text("\n".join(json.dumps(dict(prompt=r["prompt"], target=r["response"])) for r in rows))
     (root / "gd.jsonl").write_text("\n".join(json.dumps(dict(prompt=r["prompt"], answer=r["response"])) for r in rows))
@@ -95,6 +100,8 @@ BASE = {
                  "--max-steps", "4", "--warmup-steps", "0", "--lora-rank", "4"],
     "dpo": ["--task", "count", "--n-pairs", "16", "--n-eval-pairs", "4", "--eval-samples", "2", "--max-new-tokens", "4",
             "--batch-size", "4", "--max-steps", "2", "--warmup-steps", "0", "--lora-rank", "4"],
+    "kto": ["--task", "count", "--n-examples", "16", "--n-eval-pairs", "4", "--eval-samples", "2", "--max-new-tokens", "4",
+            "--batch-size", "4", "--max-steps", "2", "--warmup-steps", "0", "--lora-rank", "4"],
     "distill": ["--task", "reverse", "--n-train", "32", "--eval-samples", "2", "--max-new-tokens", "4", "--batch-size", "8",
                 "--max-steps", "2", "--warmup-steps", "0", "--max-seq-len", "48"],
     "grpo": ["--task", "add", "--n-train", "24", "--eval-samples", "2", "--max-new-tokens", "4", "--group-size", "2",
@@ -106,14 +113,9 @@ def _trainer(env, cmd, *argv, out="run"):
     """The trainer `tunebook CMD BASE... ARGV` would run, set up (not trained)."""
     model_flag = ["--teacher", str(env / "tiny")] if cmd == "distill" else ["--model", str(env / "tiny")]
     args = _parse(build_parser(), [cmd, *model_flag, *BASE[cmd], "--output-dir", str(env / "out" / out), *argv])   # --config read as main does
-    from tunebook.distill import DistillConfig, DistillTrainer
-    from tunebook.dpo import DPOConfig, DPOTrainer
-    from tunebook.grpo import GRPOConfig, GRPOTrainer
-    from tunebook.train import TrainConfig, Trainer
-    cls, trainer = {"finetune": (TrainConfig, Trainer), "dpo": (DPOConfig, DPOTrainer), "distill": (DistillConfig, DistillTrainer),
-                    "grpo": (GRPOConfig, GRPOTrainer)}[cmd]
+    spec = OBJECTIVES[cmd]   # the config class and trainer the subcommand uses
     torch.manual_seed(0)
-    return trainer(config_from_args(args, cls)).setup()
+    return spec.trainer(config_from_args(args, spec.config)).setup()
 
 
 # ---------------------------------------------------------------- what each flag claims
@@ -128,13 +130,16 @@ def _delta(t):
     before = {n: p.detach().clone() for n, p in t.model.named_parameters() if p.requires_grad}
     t.train_step()
     return max((p - before[n]).abs().max().item() for n, p in t.model.named_parameters() if p.requires_grad)
-def _grpo(t): return getattr(getattr(t, "objective", None), "prompts", None) is not None   # GRPO keeps its prompts on its objective
-def _rows(t): return t.objective.prompts if _grpo(t) else t.train_pairs if hasattr(t, "train_pairs") else t.train_data
+def _grpo(t): return t.objective.name == "grpo"   # GRPO keeps its eval prompts on its objective
+def _rows(t): return t.train_data   # the training data as the objective read it: rows, pairs, KTO rows or prompts
 def _evals(t): return t.objective.eval_prompts if _grpo(t) else t.eval_data
-def _held(t): return _evals(t) if _grpo(t) else t.eval_pairs if hasattr(t, "eval_pairs") else t.eval_data
+def _held(t):
+    if _grpo(t): return _evals(t)
+    if t.objective.name == "kto": return t.objective.held if t.objective.held is not None else t.objective.eval_pairs
+    return t.objective.eval_pairs if t.objective.name == "dpo" else t.eval_data
 def _labelled(t): return sum(sum(l != -100 for l in t.train_data[i]["labels"]) for i in range(len(t.train_data)))
 def _max_len(t):
-    if hasattr(t, "train_pairs"): return max(len(p[s]["tokens"]) for p in t.train_pairs.pairs for s in ("chosen", "rejected"))
+    if t.objective.name == "dpo": return max(len(p[s]["tokens"]) for p in t.train_data.pairs for s in ("chosen", "rejected"))
     return max(len(t.rows[i]["tokens"]) for i in range(len(t.rows)))
 def _batch(t): return t.micro_batch(0)
 def _ckpt(t): return any(getattr(b, "checkpoint_fn", None) is not None for b in t.model.modules())
@@ -234,27 +239,38 @@ PER_COMMAND = {
         "eval_limit": lambda env: ("3", ("main", lambda s: set(s["lm_eval_samples"].values()) == {3})),
     },
     "dpo": {
-        "data": lambda env: (str(env / "p.jsonl"), lambda t, d: len(t.train_pairs) != len(d.train_pairs)),
+        "data": lambda env: (str(env / "p.jsonl"), lambda t, d: len(_rows(t)) != len(_rows(d))),
         "beta": lambda env: ("0.5", lambda t, d: abs(_dpo_loss(t) - _dpo_loss(d)) > 1e-6),
         "label_smoothing": lambda env: ("0.2", lambda t, d: abs(_dpo_loss(t) - _dpo_loss(d)) > 1e-6),
-        "n_pairs": lambda env: ("8", lambda t, d: len(t.train_pairs) == 8 < len(d.train_pairs)),
-        "n_eval_pairs": lambda env: ("2", lambda t, d: len(t.eval_pairs) == 2 < len(d.eval_pairs)),
+        "n_pairs": lambda env: ("8", lambda t, d: len(_rows(t)) == 8 < len(_rows(d))),
+        "n_eval_pairs": lambda env: ("2", lambda t, d: len(_held(t)) == 2 < len(_held(d))),
         "chosen_field": lambda env: ("good", _loads), "rejected_field": lambda env: ("bad", _loads),
         "loss": lambda env: ("simpo", lambda t, d: abs(_dpo_loss(t) - _dpo_loss(d)) > 1e-6),
         # the tokenizer has a chat template: pairs rendered with it by default, the plain layout with the flag (other tokens)
-        "chat_template": lambda env: ("--no", lambda t, d: t.train_pairs.use_chat_template is False and d.train_pairs.use_chat_template is True
+        "chat_template": lambda env: ("--no", lambda t, d: _rows(t).use_chat_template is False and _rows(d).use_chat_template is True
                                       and not torch.equal(t.micro_batch(0)["tokens"], d.micro_batch(0)["tokens"])),
         "simpo_gamma": lambda env: ("1.0", lambda t, d: abs(_dpo_loss(t) - _dpo_loss(d)) > 1e-6),   # both with --loss simpo
     },
+    "kto": {
+        "data": lambda env: (str(env / "k.jsonl"), lambda t, d: len(_rows(t)) != len(_rows(d)) and t.objective.held is not None),
+        "beta": lambda env: ("0.5", lambda t, d: abs(_dpo_loss(t) - _dpo_loss(d)) > 1e-6),
+        "desirable_weight": lambda env: ("2", lambda t, d: abs(_dpo_loss(t) - _dpo_loss(d)) > 1e-6),
+        "undesirable_weight": lambda env: ("2", lambda t, d: abs(_dpo_loss(t) - _dpo_loss(d)) > 1e-6),
+        "n_examples": lambda env: ("8", lambda t, d: len(_rows(t)) == 8 < len(_rows(d))),
+        "n_eval_pairs": lambda env: ("2", lambda t, d: len(_held(t)) == 2 < len(_held(d))),
+        "completion_field": lambda env: ("answer", _loads), "label_field": lambda env: ("good", _loads),
+        "chat_template": lambda env: ("--no", lambda t, d: _rows(t).use_chat_template is False and _rows(d).use_chat_template is True
+                                      and not torch.equal(t.micro_batch(0)["tokens"], d.micro_batch(0)["tokens"])),
+    },
     "distill": {
-        "teacher": lambda env: (str(env / "wide"), lambda t, d: t.teacher.config.dim == 48 and t.model.config.dim == 24),
+        "teacher": lambda env: (str(env / "wide"), lambda t, d: t.objective.teacher.config.dim == 48 and t.model.config.dim == 24),
         "model": lambda env: (str(env / "wide"), lambda t, d: t.model.config.dim == 48 and d.model.config.dim == 16),
         "student_layers": lambda env: ("2", lambda t, d: t.model.config.n_layers == 2 > d.model.config.n_layers),
         "student_dim": lambda env: ("24", lambda t, d: t.model.config.dim == 24 != d.model.config.dim),
         "kl_weight": lambda env: ("2", lambda t, d: abs(_distill_loss(t) - 2 * _distill_loss(d)) < 1e-4 * abs(_distill_loss(d))),
         "ce_weight": lambda env: ("1", lambda t, d: _distill_loss(t) > _distill_loss(d) + 1),
-        "temperature": lambda env: ("2", lambda t, d: t.kl_fn.temperature == 2.0 and abs(_distill_loss(t) - _distill_loss(d)) > 1e-6),
-        "kl_chunks": lambda env: ("2", lambda t, d: t.kl_fn.num_chunks == 2 != d.kl_fn.num_chunks),
+        "temperature": lambda env: ("2", lambda t, d: t.objective.kl_fn.temperature == 2.0 and abs(_distill_loss(t) - _distill_loss(d)) > 1e-6),
+        "kl_chunks": lambda env: ("2", lambda t, d: t.objective.kl_fn.num_chunks == 2 != d.objective.kl_fn.num_chunks),
         "distill_on_prompt": lambda env: ("--no", lambda t, d: _labelled(t) < _labelled(d)),
         "method": lambda env: ("lora", lambda t, d: t.n_trainable < d.n_trainable),
         "lora_rank": lambda env: ("2", lambda t, d: {m.rank for m in _lora(t).values()} == {2}),   # the default 16 is wider than the student
@@ -325,6 +341,10 @@ def _split_argv(cmd, dest, value, env):
     if cmd == "dpo" and dest == "prompt_field": ctx = ["--data", str(env / "pq.jsonl")]
     if cmd == "dpo" and dest == "simpo_gamma": ctx += ["--loss", "simpo"]
     if cmd == "dpo" and dest == "chat_template": ctx = ["--data", str(env / "p.jsonl")]
+    if cmd == "kto" and dest in ("prompt_field", "completion_field", "label_field"):   # kq.jsonl: question, answer, good
+        ctx = ["--data", str(env / "kq.jsonl")] + [x for k, f in (("prompt_field", "question"), ("completion_field", "answer"), ("label_field", "good"))
+                                                   if k != dest for x in ("--" + k.replace("_", "-"), f)]
+    if cmd == "kto" and dest in ("chat_template", "eval_fraction"): ctx = ["--data", str(env / "k.jsonl")] + ["--eval-samples", "30"] * (dest == "eval_fraction")
     if dest == "packing": ctx += ["--max-seq-len", "128"]   # room for several rows per sequence
     if cmd == "grpo" and dest in DATA_FOR:   # GRPO reads prompts and the answers its reward checks
         ctx = ["--data", str(env / {"answer_field": "ga.jsonl", "prompt_field": "q.jsonl"}.get(dest, "gd.jsonl"))] + \
@@ -436,40 +456,25 @@ def test_flag_is_honoured(env, cmd, dest, monkeypatch, capsys):
     assert check(t, d), (cmd, dest, value)
 
 
-# ---------------------------------------------------------------- refused: options an objective does not use
-def _hidden_cases():
-    for cmd in ("dpo", "distill", "grpo"):
-        for dest in _flags(cmd, hidden=True):
-            yield pytest.param(cmd, dest, id=f"{cmd}-{dest}")
+# ---------------------------------------------------------------- no hidden flags: a config's fields are its flags
+@pytest.mark.parametrize("cmd", [c for c in COMMANDS if c in OBJECTIVES])
+def test_no_flag_is_hidden(cmd):
+    """An objective's subcommand shows every field of its config as a flag, and has no flag that is not one (or a CLI switch)."""
+    spec = OBJECTIVES[cmd]
+    fields = {f.name for f in dataclasses.fields(spec.config)}
+    assert not _flags(cmd, hidden=True), _flags(cmd, hidden=True)
+    cli_only = {"quiet", "config", "quantize_base", "eval_tasks", "eval_include_path", "eval_limit"}
+    assert set(_flags(cmd)) - cli_only == fields, set(_flags(cmd)) ^ fields
 
 
-_NON_DEFAULT = {bool: None, int: "3", float: "0.5", str: "x"}
-
-
-@pytest.mark.parametrize("cmd,dest", list(_hidden_cases()))
-def test_ignored_option_is_refused(env, cmd, dest, capsys):
-    """O25/O27: grpo and dpo accepted options they ignored. Hidden from --help; set, it is refused with the reason."""
-    a = _flags(cmd, hidden=True)[dest]
-    value = {"data": str(env / "d.jsonl"), "format": "chat", "chunked_ce": "4", "nproc": "2", "eval_fraction": "0.5",
-             "max_seq_len": "32", "batch_size": "3", "n_train": "3", "grad_accum_steps": "4", "eval_every": "2", "log_every": "3"}.get(dest)
-    bool_flag = a.option_strings[1] if a.default is True else a.option_strings[0]   # --no-X when X is on by default
-    argv = [bool_flag] if isinstance(a, argparse.BooleanOptionalAction) or a.nargs == 0 else [a.option_strings[0], value or "x"]
-    rc = main([cmd, "--teacher" if cmd == "distill" else "--model", str(env / "tiny"), *BASE[cmd],
-               "--output-dir", str(env / "out" / f"h-{cmd}-{dest}"), *argv])
-    err = capsys.readouterr().err
-    assert rc == 2 and a.option_strings[0] in err and "does not use it" in err, err
-    assert len(err.strip().splitlines()) == 1, err
-    assert not (env / "out" / f"h-{cmd}-{dest}").exists()
-
-
-def test_config_json_lists_only_honoured_options(env):
-    """A GRPO run's config.json does not record batch_size, packing, chunked_ce... as if they were used."""
-    from tunebook.grpo import GRPOConfig
-    t = _trainer(env, "grpo", out="grpo-config")
+@pytest.mark.parametrize("cmd", [c for c in COMMANDS if c in OBJECTIVES])
+def test_config_json_lists_the_config(env, cmd):
+    """A run's config.json records exactly the options of its config class: each one it honours, no other."""
+    spec = OBJECTIVES[cmd]
+    t = _trainer(env, cmd, "--max-steps", "1", out=f"{cmd}-config")
     t.fit(progress=False)
     saved = json.loads((t.out / "config.json").read_text())
-    assert not set(saved) & set(GRPOConfig._ignores), set(saved) & set(GRPOConfig._ignores)
-    assert {"group_size", "lr", "max_steps"} <= set(saved)
+    assert set(saved) == {f.name for f in dataclasses.fields(spec.config)}, set(saved) ^ {f.name for f in dataclasses.fields(spec.config)}
 
 
 # ---------------------------------------------------------------- values refused before any work, naming the flag

@@ -111,7 +111,7 @@ def test_pair_trainer_losses_equal_hand_computed_logprobs(tiny, tmp_path, loss):
             want += -pc / nc + beta * _softplus(-(math.log(ow / (1 - ow)) - math.log(ol / (1 - ol))))
     assert t.objective.weight(t, batch) == B == 4
     assert abs(got.item() - want) < 1e-5 * max(1.0, abs(want)), (got.item(), want)
-    assert (t.reference is None) == (loss in ("simpo", "orpo"))   # reference-free losses build no reference
+    assert (t.objective.reference is None) == (loss in ("simpo", "orpo"))   # reference-free losses build no reference
 
 
 def test_kto_trainer_loss_equals_hand_computed_logprobs(tiny, tmp_path):
@@ -217,8 +217,8 @@ def test_preference_chat_data_renders_like_sft(policy, tmp_path):
     seen = {}
     for template in (True, False):
         t = DPOTrainer(DPOConfig(output_dir=str(tmp_path / f"t{template}"), chat_template=template, **kw)).setup()
-        assert len(t.train_pairs) + len(t.eval_pairs) == len(rows) and t.train_pairs.use_chat_template is template
-        for item, msgs in sides(t.train_pairs) + sides(t.eval_pairs):
+        assert len(t.objective.train_pairs) + len(t.objective.eval_pairs) == len(rows) and t.objective.train_pairs.use_chat_template is template
+        for item, msgs in sides(t.objective.train_pairs) + sides(t.objective.eval_pairs):
             assert msgs[0] == {"role": "system", "content": "Be exact."}
             want = SFTDataset([{"messages": msgs}], t.tokenizer, train_on="last", use_chat_template=None if template else False)[0]
             assert item == want

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tunebook.config.commands import COMMANDS, config_class
+from tunebook.objectives import commands, config_class
 from tunebook.config.files import read_yaml
 from tunebook.model import BUILDERS
 from tunebook.recipes import RECIPES_DIR, list_recipes, load_recipe, recipe_path
@@ -154,7 +154,7 @@ def test_unknown_key_and_wrong_type_name_key_and_line(tmp_path):
 def test_every_config_subcommand_reads_config(tmp_path):
     """--config is on every subcommand with a config, and what the file says is what runs: estimate's file sets the
     shape the estimate reports; dpo's file sets the steps and beta of the run."""
-    for cmd in COMMANDS:
+    for cmd in commands():
         assert "--config FILE.yaml" in ok(cmd, "--help").stdout, cmd
     (tmp_path / "e.yaml").write_text("command: estimate\nmodel: embedded\nbatch_size: 3\nmax_seq_len: 48\nmethod: dora\n")
     flag = json.loads(ok("estimate", "--model", "embedded", "--batch-size", "3", "--max-seq-len", "48", "--method", "dora", "--json").stdout)

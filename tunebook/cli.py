@@ -13,6 +13,7 @@ import sys
 import time
 import typing
 
+from .config.files import field_help
 from .core import human_bytes
 
 # %% auto #0
@@ -191,31 +192,29 @@ def _compare_parser(sub):
     c.set_defaults(func=_compare)
 
 # %% ../nbs/14_cli.ipynb #5286dc25
-def _rl_command(module: str, runner: str, cls):
+def _objective_command(spec):
+    "The function a subcommand of `spec` calls with its parsed args."
     def run(args) -> int:
-        import importlib
         if "WORLD_SIZE" in os.environ: args.nproc = int(os.environ["WORLD_SIZE"])  # a torchrun child
-        cfg = config_from_args(args, cls)   # every problem before any work
+        cfg = config_from_args(args, spec.config)   # every problem before any work
         if (rc := _launch_torchrun(args)) is not None: return rc
-        summary = getattr(importlib.import_module(f"tunebook.{module}"), runner)(progress=not args.quiet, **dataclasses.asdict(cfg))
+        summary = spec.run(progress=not args.quiet, **dataclasses.asdict(cfg))
         if int(os.environ.get("RANK", "0")) == 0: print(json.dumps(summary, indent=2, default=str))
         return 0
     return run
 
-def _rl_parsers(sub):
-    from tunebook.config.commands import config_class
-    for name, module, runner, text in (
-            ("dpo", "dpo", "run_dpo", "preference optimisation on chosen/rejected pairs (--loss dpo, ipo, simpo or orpo)"),
-            ("kto", "kto", "run_kto", "KTO on unpaired desirable/undesirable answers (prompt, completion, label)"),
-            ("distill", "distill", "run_distill", "knowledge distillation with a chunked KL"),
-            ("grpo", "grpo", "run_grpo", "GRPO with a verifier; --async runs generators beside the learner")):
-        cls = config_class(name)
-        p = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
-        add_dataclass_args(p, cls, skip=("async_mode",))
-        add_config_flag(p, name, cls)
-        if name == "grpo": p.add_argument("--async", dest="async_mode", action="store_true", help="asynchronous generators and learner")
+def _objective_parsers(sub, objectives: dict):
+    "One subcommand per entry of `objectives` but finetune (its own parser, above): flags from the config's fields."
+    for name, spec in objectives.items():
+        if name == "finetune": continue
+        p = sub.add_parser(name, help=spec.help, description=spec.help[0].upper() + spec.help[1:] + ".")
+        add_dataclass_args(p, spec.config, skip=tuple(f for f, _ in spec.switches))
+        add_config_flag(p, name, spec.config)
+        for field, flag in spec.switches:   # a boolean field the CLI spells its own way (grpo's --async)
+            help = field_help(spec.config).get(field, field)
+            p.add_argument(flag, dest=field, action="store_true", help=help)
         p.add_argument("--quiet", action="store_true", help="no progress bar")
-        p.set_defaults(func=_rl_command(module, runner, cls))
+        p.set_defaults(func=_objective_command(spec))
 
 # %% ../nbs/14_cli.ipynb #c7cb57ad
 PASSTHROUGH = {   # subcommands whose own parser lives beside their code: the rest of argv goes there unchanged
@@ -230,12 +229,15 @@ def _passthrough(name: str, argv: list[str]) -> int:
     module, fn, _ = PASSTHROUGH[name]
     return getattr(importlib.import_module(module), fn)(argv) or 0
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(objectives: dict | None = None,   # the table of objectives (default: `tunebook.objectives.OBJECTIVES`)
+                ) -> argparse.ArgumentParser:
     "The `tunebook` argument parser with one subcommand per job; `parser.subcommands` maps each name to its parser."
     from tunebook.config import TrainConfig
+    from tunebook.objectives import OBJECTIVES
+    objectives = OBJECTIVES if objectives is None else objectives
     p = argparse.ArgumentParser(prog="tunebook", description="Jupyter-first LLM post-training in plain PyTorch.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    ft = sub.add_parser("finetune", help="supervised fine-tuning (full, LoRA, DoRA, QLoRA)",
+    ft = sub.add_parser("finetune", help=objectives["finetune"].help,
                         description="Fine-tune a model. With no options: the embedded default run.")
     add_dataclass_args(ft, TrainConfig)
     add_config_flag(ft, "finetune", TrainConfig)
@@ -245,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     ft.set_defaults(func=_finetune)
     _estimate_parser(sub)
     _compare_parser(sub)
-    _rl_parsers(sub)
+    _objective_parsers(sub, objectives)
     for name, (_, _, text) in PASSTHROUGH.items():   # listed by `tunebook --help`; main hands them their argv
         sub.add_parser(name, help=text, add_help=False).add_argument("rest", nargs=argparse.REMAINDER)
     p.subcommands = sub.choices

@@ -16,11 +16,11 @@ from torch import nn
 from .config import AdapterPart, DataPart, MemoryPart, ModelPart, OptimPart, Part, RunPart
 from .data import IGNORE_INDEX, collate_fn
 from .model import BUILDERS, build_model
-from .train import SFT, Trainer, load_model_and_tokenizer, to_device, _HUB_NAME
+from .train import SFT, ObjectiveSpec, Trainer, load_model_and_tokenizer, to_device, _HUB_NAME
 
 # %% auto #0
-__all__ = ['kl_div_loss', 'ChunkedKLDiv', 'student_config', 'DistillPart', 'DistillConfig', 'held_out_kl', 'Distill',
-           'DistillTrainer', 'run_distill']
+__all__ = ['DISTILL_SPEC', 'kl_div_loss', 'ChunkedKLDiv', 'student_config', 'DistillPart', 'DistillConfig', 'held_out_kl',
+           'Distill', 'DistillTrainer', 'run_distill']
 
 # %% ../nbs/12a_distill.ipynb #85fd2b14
 def kl_div_loss(student_logits: torch.Tensor,  # (B, T, V)
@@ -266,3 +266,5 @@ class DistillTrainer(Trainer):
 def run_distill(progress: bool = True, **options) -> dict:
     "Distil with `DistillConfig(**options)` (default: the embedded model teaches a half-size student); returns the summary."
     return DistillTrainer(DistillConfig(**options)).fit(progress=progress)
+
+DISTILL_SPEC = ObjectiveSpec("distill", DistillConfig, DistillTrainer, run_distill, "knowledge distillation with a chunked KL")

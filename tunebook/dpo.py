@@ -18,11 +18,11 @@ from .data import IGNORE_INDEX, collate_fn, encode_conversation, fit_max_new_tok
 from .logprobs import Reference, label_counts, sequence_logprobs, token_logprobs   # shared with GRPO and KTO
 from .preference import ipo_loss, orpo_loss, simpo_loss
 from .records import preference_example, with_system
-from .train import Objective, RunData, Trainer, evaluate_accuracy, exact_check, to_device
+from .train import Objective, ObjectiveSpec, RunData, Trainer, evaluate_accuracy, exact_check, to_device
 
 # %% auto #0
-__all__ = ['LOSSES', 'REFERENCE_FREE', 'BETAS', 'encode_pair', 'PreferenceDataset', 'collate_pairs', 'dpo_loss', 'pair_loss',
-           'load_pairs', 'preference_metrics', 'DPO', 'PairPart', 'DPOConfig', 'DPOTrainer', 'run_dpo']
+__all__ = ['LOSSES', 'REFERENCE_FREE', 'BETAS', 'DPO_SPEC', 'encode_pair', 'PreferenceDataset', 'collate_pairs', 'dpo_loss',
+           'pair_loss', 'load_pairs', 'preference_metrics', 'DPO', 'PairPart', 'DPOConfig', 'DPOTrainer', 'run_dpo']
 
 # %% ../nbs/12_dpo.ipynb #2da9fa9c
 def encode_pair(tokenizer, prompt, chosen: str, rejected: str, system_prompt: str | None = None,
@@ -252,3 +252,5 @@ class DPOTrainer(Trainer):
 def run_dpo(progress: bool = True, **options) -> dict:
     "Run DPO with `DPOConfig(**options)` (default: the embedded model on its task); returns the summary."
     return DPOTrainer(DPOConfig(**options)).fit(progress=progress)
+
+DPO_SPEC = ObjectiveSpec("dpo", DPOConfig, DPOTrainer, run_dpo, "preference optimisation on chosen/rejected pairs (--loss dpo, ipo, simpo or orpo)")

@@ -18,11 +18,11 @@ from .data import fit_max_new_tokens, fit_max_seq_len, get_task, load_records, m
 from .dpo import PreferenceDataset, preference_metrics
 from .logprobs import Reference, sequence_logprobs
 from .preference import encode_answer, kto_examples, kto_loss, kto_reference_point, unpair
-from .train import Objective, RunData, Trainer, evaluate_accuracy, exact_check, to_device
+from .train import Objective, ObjectiveSpec, RunData, Trainer, evaluate_accuracy, exact_check, to_device
 
 # %% auto #0
-__all__ = ['kto_rows', 'KTODataset', 'kto_batch', 'global_reference_point', 'KTO', 'KTOPart', 'KTOConfig', 'KTOTrainer',
-           'run_kto']
+__all__ = ['KTO_SPEC', 'kto_rows', 'KTODataset', 'kto_batch', 'global_reference_point', 'KTO', 'KTOPart', 'KTOConfig',
+           'KTOTrainer', 'run_kto']
 
 # %% ../nbs/12c_preference_kto.ipynb #9662d13a
 def kto_rows(pairs) -> list[dict]:
@@ -207,3 +207,5 @@ class KTOTrainer(Trainer):
 def run_kto(progress: bool = True, **options) -> dict:
     "Run KTO with `KTOConfig(**options)` (default: the embedded model on unpaired answers of its task); returns the summary."
     return KTOTrainer(KTOConfig(**options)).fit(progress=progress)
+
+KTO_SPEC = ObjectiveSpec("kto", KTOConfig, KTOTrainer, run_kto, "KTO on unpaired desirable/undesirable answers (prompt, completion, label)")

@@ -18,11 +18,12 @@ from .checkpoint import read_hf_config
 from .core import EMBEDDED_DIR
 from .memory import MemoryReport, estimate, profile_step, rough_estimate, state_bytes
 from .model import BUILDERS, ModelConfig, get_config
+from .objectives import trainer_for
 from .train import TrainConfig, Trainer
 
 # %% auto #0
-__all__ = ['CACHE_SIZE', 'COMBOS', 'step_memory', 'trainer_for', 'LiveRun', 'model_config', 'models_by_size', 'estimate_memory',
-           'Ablation', 'compare_techniques']
+__all__ = ['CACHE_SIZE', 'COMBOS', 'step_memory', 'LiveRun', 'model_config', 'models_by_size', 'estimate_memory', 'Ablation',
+           'compare_techniques']
 
 # %% ../nbs/13b_live.ipynb #b4fc0340
 def step_memory(trainer) -> dict:
@@ -36,16 +37,6 @@ def step_memory(trainer) -> dict:
     return out
 
 # %% ../nbs/13b_live.ipynb #8fd3faef
-def trainer_for(config: TrainConfig) -> type:
-    "The trainer class for `config`: GRPO, DPO and distillation configs get theirs, any other `Trainer`."
-    from tunebook.distill import DistillConfig, DistillTrainer   # imported when asked: `tunebook compare` needs none
-    from tunebook.dpo import DPOConfig, DPOTrainer
-    from tunebook.grpo import GRPOConfig, GRPOTrainer
-    from tunebook.kto import KTOConfig, KTOTrainer
-    for cfg, trainer in ((GRPOConfig, GRPOTrainer), (DPOConfig, DPOTrainer), (DistillConfig, DistillTrainer), (KTOConfig, KTOTrainer)):
-        if isinstance(config, cfg): return trainer
-    return Trainer
-
 class LiveRun:
     "Train `config` in a background thread; rows, memory, evals, status and error are plain attributes."
     def __init__(self, config: TrainConfig, loader=None, on_update=None):

@@ -35,7 +35,6 @@ def recipe_name(cfg, width: int | None = None) -> str:
 class Part:
     "Base of every config part: the chain of `problems()`, how an error names an option, dict and YAML output."
     _kind: typing.ClassVar[str] = "training"    # names the options in the error
-    _ignores: typing.ClassVar[dict] = {}       # transition only: options a subclass of TrainConfig does not use, with why
     _recipes: typing.ClassVar[dict] = {}       # recipe name -> values (and why) for the TUNED options left None; see `with_defaults`
 
     def problems(self) -> list[str]:
@@ -70,8 +69,8 @@ class Part:
         return (dataclasses.replace(self, **vals) if vals else self), dict(recipe=name if vals else "as given", **chosen, recipe_report=why)
 
     def to_dict(self) -> dict:
-        "The options as a dict (without those this kind of run ignores)."
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in self._ignores}
+        "The options as a dict."
+        return dataclasses.asdict(self)
 
     def to_yaml(self) -> str:
         "The options as YAML text, grouped by part, each with its help as a comment (`tunebook.config.files`)."
@@ -278,11 +277,3 @@ class TrainConfig(ModelPart, DataPart, AdapterPart, OptimPart, MemoryPart, RunPa
                   "held-out exact match 0% -> 100%, loss 2.09 -> 0.0007 in 20 steps of 8 at 2e-3 (5e-4: 100%, 0.0070; 1e-3: 97%, 0.0065; 5e-3: 87%, 0.048)"),
         full=dict(lr=1e-4, batch_size=8, why="the real-model recipe for full fine-tuning, measured on SmolLM2-135M by bench/bench_defaults.py: "
                   "held-out exact match 0% -> 100%, loss 2.09 -> 0.00031 in 20 steps of 8 at 1e-4 (3e-5: 0.00084; 3e-4: 0.00038)"))
-
-    def problems(self) -> list[str]:
-        return super().problems() + self._ignored_problems()
-
-    def _ignored_problems(self) -> list[str]:
-        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-        return [f"{self.opt(k)}: {self._kind} does not use it ({why}); leave it out"
-                for k, why in self._ignores.items() if getattr(self, k) != defaults[k]]

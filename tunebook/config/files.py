@@ -119,8 +119,7 @@ def read_yaml(path, cls, command: str | None = None) -> dict:
     if not isinstance(node, yaml.MappingNode):
         raise ValueError(f"{path}, line {node.start_mark.line + 1}: a config file is a mapping of option: value lines")
     fields, kind = {f.name: f for f in dataclasses.fields(cls)}, getattr(cls, "_kind", cls.__name__)
-    ignores = getattr(cls, "_ignores", {})
-    allowed = [n for n in fields if n not in ignores]
+    allowed = list(fields)
     loader, out, seen, bad = yaml.SafeLoader(""), {}, {}, []
     for knode, vnode in node.value:
         line, key = knode.start_mark.line + 1, loader.construct_object(knode)
@@ -133,7 +132,6 @@ def read_yaml(path, cls, command: str | None = None) -> dict:
             if command and value != command:
                 bad.append(f"{where}: this file is for `tunebook {value}`, not `tunebook {command}`: run `tunebook {value} --config {path}`")
             continue
-        if key in ignores: bad.append(f"{where}: {key}: {kind} does not use it ({ignores[key]}); leave it out"); continue
         if key not in allowed:
             close = difflib.get_close_matches(str(key), allowed, n=3)
             hint = f"did you mean {', '.join(close)}?" if close else f"see `tunebook {command or cls.__dict__.get('_command', '...')} --help`"
@@ -159,8 +157,8 @@ def _title(part) -> str:
     return part.__name__ if not doc or doc.startswith(part.__name__ + "(") else doc.splitlines()[0].rstrip(".")
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip=()) -> None:
-    "Add a `--field-name` option for every field of dataclass `cls`, grouped by part, its comment as help; those it `_ignores` are accepted but hidden, so validation refuses them with the reason."
-    helps, ignored = field_help(cls), getattr(cls, "_ignores", {})
+    "Add a `--field-name` option for every field of dataclass `cls`, grouped by part, its comment as help."
+    helps = field_help(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for part, names in part_fields(cls):
         group = parser.add_argument_group(_title(part))
@@ -170,12 +168,12 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip=()) -> None:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             flag, ann = "--" + f.name.replace("_", "-"), str(f.type)
             # argparse %-formats help text: a literal % (as in "50%") must be doubled or --help crashes
-            h = argparse.SUPPRESS if f.name in ignored else helps.get(f.name, "").replace("%", "%%")
+            h = helps.get(f.name, "").replace("%", "%%")
             if isinstance(default, bool):
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=h)
             elif isinstance(default, tuple):
                 group.add_argument(flag, type=lambda s: tuple(x.strip() for x in s.split(",") if x.strip()), default=default,
-                                   metavar="A,B,...", help=h if h == argparse.SUPPRESS else f"{h} (default: {','.join(default)})")
+                                   metavar="A,B,...", help=f"{h} (default: {','.join(default)})")
             else:
                 kind = int if "int" in ann and "float" not in ann else float if "float" in ann else str
                 if "None" in ann: kind = _parse_optional(kind)
@@ -184,7 +182,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip=()) -> None:
                     or getattr(cls, "_choices", {}).get(f.name)   # a config may list the values of its own fields (DPO's loss)
                 flags = {"loggers": ("--logger", flag)}.get(f.name, (flag,))   # --logger tensorboard,wandb reads as a user says it
                 group.add_argument(*flags, dest=f.name, type=kind, default=default, metavar="{" + ",".join(choices) + "}" if choices else None,
-                                   help=h if h == argparse.SUPPRESS else f"{h} (default: {str(default).replace('%', '%%')})".strip())
+                                   help=f"{h} (default: {str(default).replace('%', '%%')})".strip())
 
 def add_config_flag(parser: argparse.ArgumentParser, command: str, cls) -> None:
     "`--config FILE`: read this subcommand's options from a YAML file first; flags given beside it win."

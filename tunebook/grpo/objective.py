@@ -15,7 +15,7 @@ from ..core import cpu_cores, patch
 from ..data import IGNORE_INDEX, make_task
 from ..logprobs import Reference
 from ..rundir import warn
-from ..train import Objective, RunData, Trainer, _prompt_messages, encode_prompt
+from ..train import Objective, ObjectiveSpec, RunData, Trainer, _prompt_messages, encode_prompt
 from .rollout import (AnswerReward, PACKED_KEYS, evaluate_reward, group_logprobs, load_reward, rollout_tensors,
                                    sample_groups)
 from .loss import group_advantages, grpo_loss, loss_units
@@ -23,7 +23,7 @@ from .workers import GeneratorPool
 from .config import GRPOConfig
 
 # %% auto #0
-__all__ = ['prompt_rows', 'GRPO', 'GRPOTrainer', 'run_grpo']
+__all__ = ['GRPO_SPEC', 'prompt_rows', 'GRPO', 'GRPOTrainer', 'run_grpo']
 
 # %% ../../nbs/12be_grpo_objective.ipynb #a1634d21
 def prompt_rows(cfg: GRPOConfig, tokenizer, task: str | None) -> tuple[list[dict], list[dict]]:
@@ -251,3 +251,6 @@ class GRPOTrainer(Trainer):
 def run_grpo(async_mode: bool = False, progress: bool = True, **options) -> dict:
     "GRPO with `GRPOConfig(async_mode=async_mode, **options)` (default: the embedded model on its task); returns the summary."
     return GRPOTrainer(GRPOConfig(async_mode=async_mode, **options)).fit(progress=progress)
+
+GRPO_SPEC = ObjectiveSpec("grpo", GRPOConfig, GRPOTrainer, run_grpo, "GRPO with a verifier; --async runs generators beside the learner",
+                          switches=(("async_mode", "--async"),))

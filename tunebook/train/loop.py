@@ -12,11 +12,13 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from ..core import patch
+from ..config import TrainConfig
 from ..rundir import NonFiniteError, check_output_dir, clean_leftovers, warn
+from .objective import ObjectiveSpec
 from .trainer import Trainer
 
 # %% auto #0
-__all__ = []
+__all__ = ['FINETUNE_SPEC', 'run_finetune']
 
 # %% ../../nbs/11j_train_loop.ipynb #49aaf492
 @patch
@@ -95,3 +97,10 @@ def log(self: Trainer, row: dict):
                     and isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None)
     with open(self.out / "log.txt", "a") as f:
         f.write(f"step {row['step']}/{self.config.max_steps} loss {row['loss']:.4f} lr {row['lr']:.3e}{extra}\n")
+
+# %% ../../nbs/11j_train_loop.ipynb #b5df202d
+def run_finetune(progress: bool = True, **options) -> dict:
+    "Run supervised fine-tuning with `TrainConfig(**options)` (default: the embedded model on its task); returns the summary."
+    return Trainer(TrainConfig(**options)).fit(progress=progress)
+
+FINETUNE_SPEC = ObjectiveSpec("finetune", TrainConfig, Trainer, run_finetune, "supervised fine-tuning (full, LoRA, DoRA, QLoRA)")

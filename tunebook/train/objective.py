@@ -17,7 +17,7 @@ from .evaluate import evaluate_accuracy, held_out_loss, lm_loss_sum, to_device
 from .load import exact_check, load_model_and_tokenizer, split_data
 
 # %% auto #0
-__all__ = ['RunData', 'Objective', 'SFT']
+__all__ = ['RunData', 'Objective', 'SFT', 'ObjectiveSpec']
 
 # %% ../../nbs/11e_train_objective.ipynb #dd69d433
 @dataclass
@@ -164,3 +164,18 @@ class SFT(Objective):
     def summary(self, tr) -> dict:
         "The lengths chosen from the data (or as set), and why."
         return dict(tr.choices)
+
+# %% ../../nbs/11e_train_objective.ipynb #9a6c8eea
+@dataclass(frozen=True)
+class ObjectiveSpec:
+    "One objective as the tools see it: its subcommand, config class, trainer, script entry point and help line."
+    name: str                    # the subcommand, `tunebook NAME`
+    config: type                 # its config class (a dataclass of config parts, like `TrainConfig`)
+    trainer: type                # the `Trainer` (sub)class that runs it
+    run: typing.Callable         # run(progress=True, **options) -> summary: a run of `config(**options)`
+    help: str                    # one line for `tunebook --help`
+    switches: tuple = ()         # boolean config fields the CLI spells otherwise: ((field, "--flag"), ...)
+
+    def make(self, **options):
+        "The trainer of a run with `config(**options)`, not set up yet."
+        return self.trainer(self.config(**options))

@@ -43,8 +43,7 @@ def metrics_frame(self: Trainer) -> pd.DataFrame:
 
 @patch
 def plot_loss(self: Trainer, ax=None):
-    "Loss per step (matplotlib)."
-    import matplotlib
+    "Loss per step (matplotlib), on `ax` or a new pyplot figure."
     if ax is None:
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -88,12 +87,10 @@ def write_outputs(self: Trainer, last: Path | None = None):
     "metrics.csv, loss.png, model/ (HF format), adapter/ (LoRA), summary.json; `last`: this run's final checkpoint."
     import copy
     if not self.is_main: return
-    import matplotlib
-    matplotlib.use("Agg") if not _in_notebook() else None
-    import matplotlib.pyplot as plt
     self.metrics_frame().to_csv(self.out / "metrics.csv", index=False)
-    if self.metrics:
-        ax = self.plot_loss(); ax.figure.tight_layout(); ax.figure.savefig(self.out / "loss.png", dpi=100); plt.close(ax.figure)
+    if self.metrics:   # a Figure of its own: no pyplot state, no backend to switch, nothing drawn in a notebook
+        from matplotlib.figure import Figure
+        fig = Figure(figsize=(6, 3.5)); self.plot_loss(fig.subplots()); fig.tight_layout(); fig.savefig(self.out / "loss.png", dpi=100)
     c = self.config
     lora = None if c.method == "full" else dict(rank=c.lora_rank, alpha=c.lora_alpha, targets=c.lora_targets, dora=c.method == "dora")
     if self.world > 1:   # the weights are sharded: write the HF folder from this run's final distributed checkpoint
@@ -125,9 +122,3 @@ def _source_files(c) -> list[tuple[Path, tuple]]:
     model_dir = folder(c.model)
     tok_dir = folder(c.tokenizer) if c.tokenizer else (model_dir or folder(getattr(c, "teacher", None)))
     return [(d, n) for d, n in ((tok_dir, _TOKENIZER_FILES), (model_dir, ("generation_config.json",))) if d is not None]
-
-def _in_notebook() -> bool:
-    try:
-        from IPython import get_ipython
-        return get_ipython() is not None and "IPKernelApp" in get_ipython().config
-    except Exception: return False
