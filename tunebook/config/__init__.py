@@ -15,7 +15,7 @@ from .files import config_yaml, field_help, part_fields, read_yaml, write_yaml
 from ..core import get_device
 from ..precision import PRECISIONS, resolve_precision
 from ..loggers import LOGGERS
-from ..optim import SCHEDULES
+from ..optim import SCHEDULES, in_backward_problems
 from ..records import FORMATS
 
 # %% auto #0
@@ -231,10 +231,8 @@ class MemoryPart(Part):
     def problems(self) -> list[str]:
         bad, o = [], self.opt
         if self.chunked_ce < 0: bad.append(f"{o('chunked_ce')} must be >= 0 (0 = off)")
-        if self.optimizer_in_backward and getattr(self, "grad_accum_steps", 1) > 1:
-            bad.append("optimizer_in_backward steps during backward, so it cannot accumulate gradients: set grad_accum_steps=1")
-        if self.optimizer_in_backward and getattr(self, "max_grad_norm", None):
-            bad.append("optimizer_in_backward cannot clip by global norm: set max_grad_norm=None (--max-grad-norm 0)")
+        if self.optimizer_in_backward:
+            bad += in_backward_problems(getattr(self, "grad_accum_steps", 1), getattr(self, "max_grad_norm", None))
         if self.nproc < 1: bad.append(f"{o('nproc')} must be >= 1")
         bs = getattr(self, "batch_size", None)
         if self.nproc > 1 and bs is not None and bs % self.nproc:
