@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from tunebook.optim import (InBackwardOptimizer, SchedulerGroup, check_compatible, get_constant_schedule_with_warmup,
+from tunebook.optim import (InBackwardOptimizer, SchedulerGroup, adamw, check_compatible, decay_groups, get_constant_schedule_with_warmup,
                             get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup, get_schedule,
-                            optimizer_in_backward)
+                            in_backward_problems, optimizer_in_backward)
 
 HP = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
 BATCHES = [torch.randn(16, 8, generator=torch.Generator().manual_seed(i)) for i in range(10)]
@@ -20,7 +20,8 @@ def mlp(seed=0):
 
 
 def make_opt(model, in_backward, schedule, cls=torch.optim.AdamW, hp=HP):
-    opt = optimizer_in_backward(model, cls, **hp) if in_backward else cls(model.parameters(), **hp)
+    opt = (optimizer_in_backward(model, cls, **hp) if in_backward
+           else cls(decay_groups(model.parameters(), hp.get("weight_decay")), **hp))   # the same groups: matrices decay
     sched = get_cosine_schedule_with_warmup(opt, 3, 10, min_lr_ratio=0.1) if schedule else None
     return opt, sched
 
@@ -93,6 +94,10 @@ def test_refusals():
     with pytest.raises(ValueError, match="cannot accumulate gradients"): check_compatible(grad_accum_steps=2)
     with pytest.raises(ValueError, match="cannot clip by global norm"): check_compatible(max_grad_norm=1.0)
     check_compatible(1, None); check_compatible(1, 0)
+    assert in_backward_problems() == [] and in_backward_problems(1, 0) == []
+    both = in_backward_problems(3, 0.5)
+    assert len(both) == 2 and "grad_accum_steps=3" in both[0] and "max_grad_norm=0.5" in both[1]
+    assert all("; set " in b for b in both)                # each names its fix
     model = mlp()
     with pytest.raises(ValueError, match="grad_accum_steps=8"): optimizer_in_backward(model, lr=1e-3, grad_accum_steps=8)
     with pytest.raises(ValueError, match="max_grad_norm=1.0"): optimizer_in_backward(model, lr=1e-3, max_grad_norm=1.0)
@@ -196,7 +201,7 @@ def test_with_chunked_loss_and_tied_weights():
     ids = torch.randint(0, 61, (2, 19), generator=torch.Generator().manual_seed(0))
     labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
     a, b = TinyLM(), TinyLM()
-    opt_a = torch.optim.AdamW(a.parameters(), **HP)
+    opt_a = torch.optim.AdamW(decay_groups(a.parameters(), HP["weight_decay"]), **HP)
     optimizer_in_backward(b, **HP)
     ce = ChunkedCrossEntropy(4)
     for _ in range(5):
@@ -233,3 +238,70 @@ def test_fused_resume_bitwise():
     again = mlp(); again.load_state_dict(ck["m"]); opt2 = adamw(again.parameters(), **hp); opt2.load_state_dict(ck["o"])
     run(again, opt2, None, range(3, 6))
     assert_identical(whole, again)
+
+
+def normed(seed=0):
+    "Matrices, a LayerNorm's scale and shift, and biases."
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 4))
+
+
+def by_hand(model, wd):
+    "The weight-decay groups written out by parameter name, independently of decay_groups."
+    named, mats = dict(model.named_parameters()), ("0.weight", "3.weight")
+    return [{"params": [named[n] for n in mats], "weight_decay": wd},
+            {"params": [p for n, p in named.items() if n not in mats], "weight_decay": 0.0}]
+
+
+def test_decay_groups_matrices_only():
+    model = normed()
+    groups = decay_groups(model.parameters(), 0.1)
+    ref = by_hand(model, 0.1)
+    assert [[id(p) for p in g["params"]] for g in groups] == [[id(p) for p in g["params"]] for g in ref]
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+    assert "weight_decay" not in decay_groups(model.parameters())[0]     # None: the optimizer's default for matrices
+    with pytest.raises(TypeError, match="not param groups"): decay_groups(ref, 0.1)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_in_backward_decays_like_adamw_groups(fused):
+    "Stepped in backward with weight_decay=0.1 == torch.optim.AdamW given the matrices-only groups by hand, bitwise."
+    hp = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=fused)
+    ref, everything, stepped = normed(), normed(), normed()
+    opts = [torch.optim.AdamW(by_hand(ref, 0.1), **hp), torch.optim.AdamW(everything.parameters(), **hp)]
+    optimizer_in_backward(stepped, **hp)
+    for i in range(4):
+        for m, o in zip((ref, everything), opts): m(BATCHES[i]).pow(2).mean().backward(); o.step(); o.zero_grad()
+        stepped(BATCHES[i]).pow(2).mean().backward()
+    got = dict(stepped.named_parameters())
+    for n, p in ref.named_parameters(): torch.testing.assert_close(got[n], p, rtol=0, atol=0, msg=n)
+    assert not torch.equal(everything[1].weight, ref[1].weight)      # decaying the norm too is a different step
+
+
+def test_adamw_groups_bare_parameters():
+    "adamw() on bare parameters decays the matrices only; given param groups, it takes them as they are."
+    model = normed()
+    opt = adamw(model.parameters(), lr=1e-3, weight_decay=0.1)
+    assert [(len(g["params"]), g["weight_decay"]) for g in opt.param_groups] == [(2, 0.1), (4, 0.0)]
+    opt = adamw([{"params": list(model.parameters())}], lr=1e-3, weight_decay=0.1)
+    assert [(len(g["params"]), g["weight_decay"]) for g in opt.param_groups] == [(6, 0.1)]
+
+
+def _embedded_full_step(tmp_path, in_backward):
+    from tunebook.train import TrainConfig, Trainer
+    cfg = TrainConfig(model="embedded", method="full", weight_decay=0.1, optimizer_in_backward=in_backward, max_grad_norm=None,
+                      lr=1e-2, warmup_steps=0, schedule="constant", max_steps=1, batch_size=4, n_train=8, eval_samples=0,
+                      dtype="fp32", output_dir=str(tmp_path / f"run-{in_backward}"))
+    tr = Trainer(cfg).setup()
+    before = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+    tr.train_step()
+    return before, dict(tr.model.named_parameters())
+
+
+def test_trainer_full_step_same_weights_either_way(tmp_path):
+    "One full fine-tune step of the embedded model with weight_decay=0.1: stepped in backward == a normal AdamW step, bitwise."
+    before, normal = _embedded_full_step(tmp_path, False)
+    _, stepped = _embedded_full_step(tmp_path, True)
+    norms = [n for n in normal if n.endswith("norm.weight")]
+    assert norms and all(not torch.equal(normal[n], before[n]) for n in normal)    # every tensor moved, norms included
+    for n, p in normal.items(): torch.testing.assert_close(stepped[n], p, rtol=0, atol=0, msg=n)

@@ -16,36 +16,60 @@ from torch.optim.lr_scheduler import LambdaLR
 from .core import patch
 
 # %% auto #0
-__all__ = ['SCHEDULES', 'check_compatible', 'InBackwardOptimizer', 'optimizer_in_backward', 'SchedulerGroup', 'warmup_cosine',
-           'warmup_linear', 'warmup_constant', 'lambda_schedule', 'get_cosine_schedule_with_warmup',
-           'get_linear_schedule_with_warmup', 'get_constant_schedule_with_warmup', 'get_schedule', 'fused_available',
-           'adamw']
+__all__ = ['SCHEDULES', 'in_backward_problems', 'check_compatible', 'decays', 'decay_groups', 'InBackwardOptimizer',
+           'optimizer_in_backward', 'SchedulerGroup', 'warmup_cosine', 'warmup_linear', 'warmup_constant',
+           'lambda_schedule', 'get_cosine_schedule_with_warmup', 'get_linear_schedule_with_warmup',
+           'get_constant_schedule_with_warmup', 'get_schedule', 'fused_available', 'adamw']
 
 # %% ../nbs/08_optim.ipynb #4d23c01a
+def in_backward_problems(grad_accum_steps: int = 1, # micro-batches per optimizer step
+                         max_grad_norm: float | None = None, # global-norm clipping threshold; None or <= 0 means off
+                        ) -> list[str]:
+    "The settings an optimizer stepped in backward cannot honour, one line each with its fix (empty: none)."
+    bad = []
+    if grad_accum_steps != 1:
+        bad.append(f"optimizer_in_backward cannot accumulate gradients (grad_accum_steps={grad_accum_steps}): each parameter "
+                   "is stepped and its gradient freed during every backward pass; set grad_accum_steps=1 with a larger "
+                   "micro-batch, or turn optimizer_in_backward off")
+    if max_grad_norm is not None and max_grad_norm > 0:
+        bad.append(f"optimizer_in_backward cannot clip by global norm (max_grad_norm={max_grad_norm}): the norm needs all "
+                   "gradients, but each one is used and freed as soon as it is ready; set max_grad_norm=None (or 0), "
+                   "or turn optimizer_in_backward off")
+    return bad
+
 def check_compatible(grad_accum_steps: int = 1, # micro-batches per optimizer step
                      max_grad_norm: float | None = None, # global-norm clipping threshold; None or <= 0 means off
                     ) -> None:
-    "Raise a `ValueError` for training settings that an optimizer stepped in backward cannot honour."
-    if grad_accum_steps != 1:
-        raise ValueError(f"optimizer_in_backward cannot accumulate gradients (grad_accum_steps={grad_accum_steps}): "
-                         "each parameter is stepped and its gradient freed during every backward pass. Use "
-                         "grad_accum_steps=1 with a larger micro-batch, or a normal optimizer.")
-    if max_grad_norm is not None and max_grad_norm > 0:
-        raise ValueError(f"optimizer_in_backward cannot clip by global norm (max_grad_norm={max_grad_norm}): "
-                         "the norm needs all gradients, but each one is used and freed as soon as it is ready. "
-                         "Set max_grad_norm=None, or use a normal optimizer.")
+    "Raise a `ValueError` naming every setting that an optimizer stepped in backward cannot honour."
+    if bad := in_backward_problems(grad_accum_steps, max_grad_norm): raise ValueError("; ".join(bad) + ".")
+
+# %% ../nbs/08_optim.ipynb #aa023176
+def decays(p: torch.Tensor) -> bool:
+    "Whether weight decay applies to `p`: matrices (2+ dimensions) decay; 1-D norms' scales and biases do not."
+    return p.dim() >= 2
+
+def decay_groups(params, # parameters to optimize (tensors, not param groups)
+                 weight_decay: float | None = None, # for the matrices; None: the optimizer's default
+                ) -> list[dict]:
+    "Param groups that decay matrices only: `weight_decay` on tensors of 2+ dimensions, 0 on the rest (empty groups left out)."
+    params = list(params)
+    if any(isinstance(p, dict) for p in params): raise TypeError("decay_groups takes tensors, not param groups: pass the parameters.")
+    mats = {"params": [p for p in params if decays(p)], **({} if weight_decay is None else {"weight_decay": weight_decay})}
+    rest = {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}
+    return [g for g in (mats, rest) if g["params"]]
 
 # %% ../nbs/08_optim.ipynb #36972a0b
 class InBackwardOptimizer:
     "One optimizer per trainable parameter, stepped in its post-accumulate-grad hook; made by `optimizer_in_backward`."
     def __init__(self,
                  model: nn.Module, # its parameters with `requires_grad` get an optimizer each
-                 optimizer_cls: type[Optimizer] = torch.optim.AdamW, # built as `optimizer_cls([param], **hparams)`
+                 optimizer_cls: type[Optimizer] = torch.optim.AdamW, # built as `optimizer_cls(decay_groups([param], weight_decay), **hparams)`
                  **hparams, # lr, weight_decay, betas, ...
                 ):
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         if not self.params: raise ValueError("the model has no parameters with requires_grad=True to optimize.")
-        self.optimizers = {n: optimizer_cls([p], **hparams) for n, p in self.params.items()}
+        wd = hparams.get("weight_decay")
+        self.optimizers = {n: optimizer_cls(decay_groups([p], wd), **hparams) for n, p in self.params.items()}
         self.schedulers: list = []
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(n)) for n, p in self.params.items()]
 
@@ -203,13 +227,14 @@ def fused_available(device: str | torch.device = "cpu") -> bool:
     "Whether torch's fused AdamW kernel runs on `device` (CPU and CUDA in torch >= 2.4)."
     return torch.device(device).type in ("cpu", "cuda") and "fused" in torch.optim.AdamW.__init__.__code__.co_varnames
 
-def adamw(params, # parameters (or param groups) to optimize
+def adamw(params, # parameters (grouped by `decay_groups`) or param groups (taken as given)
           lr: float = 1e-3, weight_decay: float = 0.0, betas: tuple = (0.9, 0.999), eps: float = 1e-8,
           fused: bool | None = None, # None: fused where the parameters' device has it
          ) -> torch.optim.AdamW:
     "`torch.optim.AdamW` with the fused kernel where it runs (3-6x the default step on a CPU), else torch's default."
     params = list(params)
     if not params: raise ValueError("adamw got no parameters to optimize.")
+    if not isinstance(params[0], dict): params = decay_groups(params, weight_decay)   # matrices only decay
     first = params[0]["params"][0] if isinstance(params[0], dict) else params[0]
     if fused is None: fused = fused_available(first.device)
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, **({"fused": True} if fused else {}))

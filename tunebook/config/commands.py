@@ -9,6 +9,7 @@ import typing
 from dataclasses import dataclass
 
 from . import Part, TrainConfig
+from ..optim import in_backward_problems
 
 # %% auto #0
 __all__ = ['EstimateConfig', 'CompareConfig']
@@ -47,8 +48,7 @@ class EstimateConfig(Part):
         for k in ("batch_size", "max_seq_len", "grad_accum_steps", "nproc", "lora_rank"):
             if getattr(self, k) < 1: bad.append(f"{o(k)} must be >= 1")
         if self.chunked_ce < 0: bad.append(f"{o('chunked_ce')} must be >= 0 (0 = off)")
-        if self.optimizer_in_backward and self.grad_accum_steps > 1:
-            bad.append("optimizer_in_backward steps during backward, so it cannot accumulate gradients: set grad_accum_steps=1")
+        if self.optimizer_in_backward: bad += in_backward_problems(self.grad_accum_steps)
         return bad + super().problems()
 
     def estimate_kwargs(self) -> dict:

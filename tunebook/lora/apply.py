@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from .nf4 import FrozenLinear
+from ..core import patch
 from .layers import LoRALinear
 
 # %% auto #0
-__all__ = ['lora_modules', 'apply_lora', 'quantize_base', 'merged_weight', 'merge_lora', 'unmerge_lora', 'disable_adapters',
-           'remerge_lora']
+__all__ = ['lora_modules', 'apply_lora', 'quantize_base', 'merge_lora', 'unmerge_lora', 'disable_adapters', 'remerge_lora']
 
 # %% ../../nbs/06c_apply.ipynb #9d4c3c4b
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
@@ -109,18 +109,17 @@ def quantize_base(model: nn.Module,
 
 _quantize = quantize_base  # apply_lora's `quantize_base` argument shadows the name
 
+# %% ../../nbs/06c_apply.ipynb #0930f983
+@patch
+def merged_weight(self: LoRALinear) -> torch.Tensor:
+    "The (out, in) weight with the adapter folded in (peft's merge formula), computed outside autograd."
+    with torch.no_grad():
+        W = self.base_weight(torch.float32 if self.quantized else None)
+        Wd = W + self.delta_weight().to(W.dtype)
+        if self.lora_magnitude_vector is None: return Wd
+        return (self.lora_magnitude_vector / torch.linalg.norm(Wd, dim=1).to(W.dtype)).view(-1, 1) * Wd
+
 # %% ../../nbs/06c_apply.ipynb #c39f0720
-@torch.no_grad()
-def merged_weight(m: LoRALinear) -> torch.Tensor:
-    "The (out, in) weight with the adapter folded in (peft's merge formula)."
-    W = m.base_weight(torch.float32 if m.quantized else None)
-    delta = m.delta_weight().to(W.dtype)
-    if m.lora_magnitude_vector is None: return W + delta
-    Wd = W + delta
-    return (m.lora_magnitude_vector / torch.linalg.norm(Wd, dim=1).to(W.dtype)).view(-1, 1) * Wd
-
-LoRALinear.merged_weight = merged_weight
-
 def _untie(model, name):
     cfg = getattr(model, "config", None)
     if name.endswith("lm_head") and cfg is not None and getattr(cfg, "tie_embeddings", False):
@@ -137,7 +136,7 @@ def merge_lora(model: nn.Module, replace: bool = True) -> nn.Module:
             if not replace: continue
             W = m.weight.detach()
         else:
-            W = merged_weight(m)
+            W = m.merged_weight()
             if m.quantized: W = W.to(m.nf4["dtype"])
             _untie(model, n)
         if replace:

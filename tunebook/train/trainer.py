@@ -17,7 +17,7 @@ from ..core import count_params, get_device, seed_everything
 from ..precision import resolve_precision
 from ..loggers import make_loggers
 from ..loss import ChunkedCrossEntropy
-from ..optim import adamw, fused_available, get_schedule, optimizer_in_backward
+from ..optim import adamw, decay_groups, fused_available, get_schedule, optimizer_in_backward
 from ..rundir import RunLock, data_fingerprint
 from .load import model_width
 from .objective import SFT, Objective
@@ -146,7 +146,7 @@ class Trainer:
         if c.optimizer_in_backward:
             self.optimizer = optimizer_in_backward(self.model, torch.optim.AdamW, **hp)
         else:   # weight decay on matrices only, never on norms and biases (one policy for every run)
-            groups = [{"params": [p for p in params if p.dim() >= 2]}, {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+            groups = decay_groups(params, c.weight_decay)
             self.optimizer = adamw([g for g in groups if g["params"]], **hp)   # torch's fused kernel where it runs
         warmup = min(c.warmup_steps, c.max_steps)  # a run shorter than the warmup warms up over all of it
         self.scheduler = get_schedule(c.schedule, self.optimizer, warmup, c.max_steps, c.min_lr_ratio)
