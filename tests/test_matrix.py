@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+from conftest import HANG
+
 TECHNIQUES = {"plain": {}, "chunked_ce": dict(chunked_ce=2), "activation_checkpointing": dict(activation_checkpointing=True),
               "activation_offloading": dict(activation_offloading=True),
               "optimizer_in_backward": dict(optimizer_in_backward=True, max_grad_norm=None),
@@ -114,7 +116,7 @@ def test_two_processes_train_as_one(tiny, tmp_path, objective, technique):
     """Two gloo ranks train the same steps as one process (same global batch, losses within 1e-5)."""
     from tunebook.launch import launch
     model, task = tiny
-    got = launch(_two_rank_steps, nproc=2, args=(model, task, objective, technique, str(tmp_path / "two")), verbose=False, timeout=300)
+    got = launch(_two_rank_steps, nproc=2, args=(model, task, objective, technique, str(tmp_path / "two")), verbose=False, timeout=HANG)
     assert all(isinstance(g, list) for g in got), got
     cls, cfg = _objectives(model, task)[objective]
     torch.manual_seed(0)
