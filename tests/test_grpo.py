@@ -337,3 +337,23 @@ def test_widget_stop_ends_an_async_grpo_run(tiny, tmp_path):
     assert type(run.trainer).__name__ == "GRPOTrainer" and run.trainer.workers
     assert all(not w.is_alive() for w in run.trainer.workers)
     assert list((tmp_path / "checkpoints").glob("step_*")) and (tmp_path / "summary.json").exists()
+
+
+def test_grpo_async_gives_the_callers_thread_count_back(tiny, tmp_path):
+    """The learner runs on its share of the cores while generator processes sample (learner_threads), and the caller's
+    torch thread count comes back when the run ends, and also when it fails (a generator died)."""
+    path, task = tiny
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)   # the caller's setting, unlike the learner's 2
+    try:
+        seen = []
+        class Look:
+            def on_step(self, trainer, row): seen.append(torch.get_num_threads())
+        cfg = _grpo_cfg(path, task, tmp_path / "ok", async_mode=True, max_steps=2, eval_samples=2, learner_threads=2)
+        GRPOTrainer(cfg, callbacks=[Look()]).fit(progress=False)
+        assert seen[0] == 2 and torch.get_num_threads() == 3, (seen, torch.get_num_threads())   # the last step's pool is closed first
+        cfg = _grpo_cfg(path, task, tmp_path / "dies", async_mode=True, max_steps=3, eval_samples=2, learner_threads=2)
+        with pytest.raises(WorkerDied): GRPOTrainer(cfg, reward_fn=_die).fit(progress=False)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
