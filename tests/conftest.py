@@ -1,5 +1,8 @@
 """Shared fixtures: small random-weight Hugging Face models written by transformers to a temp folder."""
+import importlib
 import os
+import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -51,6 +54,53 @@ def make_hf(tmp_path):
         m.save_pretrained(d)
         return m, d
     return make
+
+
+# ---------------------------------------------------------------- waiting without wall-clock limits
+# Tests wait for what the code signals (a thread ending, a LiveRun update, a file appearing, a process exiting), never
+# for a fixed time: a loaded 2-core machine is slow, not broken. HANG only guards against a hang, and says so.
+HANG = float(os.environ.get("TUNEBOOK_TEST_HANG_S", 1800))
+
+
+def hung(what: str, timeout: float = HANG) -> str:
+    return f"hung: {what} did not happen within {timeout:.0f} s (a hang guard, not a speed limit; TUNEBOOK_TEST_HANG_S sets it)"
+
+
+def wait_until(cond, what: str, timeout: float = HANG, poll: float = 0.05):
+    """Poll `cond()` (a file appearing, a process exiting) until it is true; fail with `hung(what)` after `timeout`."""
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, hung(what, timeout)
+        time.sleep(poll)
+
+
+def joined(thread, what: str, timeout: float = HANG):
+    """Join `thread` (the code's own signal that the work ended); fail with `hung(what)` if it is still alive."""
+    if thread is not None: thread.join(timeout)
+    assert thread is None or not thread.is_alive(), hung(what, timeout)
+
+
+def run_reaches(run, cond, what: str, timeout: float = HANG):
+    """Block until `cond(run)` holds for a `tunebook.live.LiveRun`, checked at each update it signals (its on_update
+    hook, which it calls after every step and when it ends); the run ending without `cond` returns too."""
+    done, inner = threading.Event(), run.on_update
+    def hook(r):
+        try:
+            if inner is not None: inner(r)
+        finally:
+            if cond(r) or r.status in ("finished", "stopped", "failed"): done.set()
+    run.on_update = hook
+    if cond(run) or (run.thread is not None and not run.thread.is_alive()): done.set()   # it may have got there already
+    assert done.wait(timeout), hung(what, timeout)
+
+
+# ---------------------------------------------------------------- dev dependencies
+def need(module: str):
+    """Import a dev dependency (settings.ini's dev_requirements) or FAIL: a missing one is a broken install, and a skip
+    would quietly drop the parity tests that need it."""
+    try: return importlib.import_module(module)
+    except ImportError as e:
+        pytest.fail(f"{module} is a dev dependency and does not import ({e}): pip install -e .[dev]", pytrace=False)
 
 
 # ---------------------------------------------------------------- RL fixtures (test_rl.py, test_grpo.py)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import HANG
+
 ROOT = Path(__file__).resolve().parents[1]
 PY = os.environ.get("TUNEBOOK_BENCH_PY", sys.executable)
 FRAMEWORKS = ("tunebook", "torchtune", "transformers+peft")
@@ -32,7 +34,7 @@ def smoke(tmp_path_factory):
     js = tmp_path_factory.mktemp("bench") / "device.json"
     env = dict(os.environ, TUNEBOOK_BENCH_PY=PY, OMP_NUM_THREADS="1")
     p = subprocess.run(["bash", "bench/device.sh", "--smoke", "--json", str(js)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=HANG)   # a hang guard: a loaded machine is slow, not broken
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     line = [l for l in p.stdout.splitlines() if l.startswith("BENCH_JSON ")]
     assert len(line) == 1, p.stdout[-3000:]

@@ -13,9 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from conftest import HANG
+
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("TUNEBOOK_CHROMIUM", "/usr/bin/chromium")
 SCREENSHOT = ROOT / "runs" / "browser" / "lab.png"
+MS = int(HANG * 1000)   # Playwright's timeouts are in milliseconds
 
 
 def _missing() -> str | None:
@@ -49,10 +52,8 @@ def lab_server(tmp_path):
                              f"--ServerApp.root_dir={tmp_path}", "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
                             cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "lab.log", "w"))
     url = f"http://127.0.0.1:{port}"
-    for _ in range(240):
-        if proc.poll() is not None: break
-        try: urllib.request.urlopen(url + "/api/status", timeout=2); break
-        except Exception: time.sleep(0.5)
+    t0 = time.monotonic()   # wait for the server to answer or exit; HANG only guards against a hang
+    while proc.poll() is None and _status(url) is None and time.monotonic() - t0 < HANG: time.sleep(0.5)
     if proc.poll() is not None or _status(url) is None:
         proc.terminate(); pytest.fail("JupyterLab did not start:\n" + (tmp_path / "lab.log").read_text()[-3000:])
     yield url
@@ -68,10 +69,10 @@ def test_lab_notebook_in_jupyterlab(lab_server):
                                     args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                                           "--disable-component-update", "--disable-sync", "--no-first-run"])
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.set_default_timeout(120_000)
+        page.set_default_timeout(MS)   # every wait below ends when the page shows what it waits for; MS only guards against a hang
         page.goto(f"{lab_server}/lab/tree/13a_lab.ipynb")
-        page.wait_for_selector(".jp-Notebook", timeout=180_000)
-        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle'], .jp-Toolbar-kernelStatus", timeout=180_000)
+        page.wait_for_selector(".jp-Notebook", timeout=MS)
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle'], .jp-Toolbar-kernelStatus", timeout=MS)
         time.sleep(2)
         page.click(".jp-Notebook")
         page.keyboard.press("Escape")
@@ -79,23 +80,23 @@ def test_lab_notebook_in_jupyterlab(lab_server):
         # Run > Run All Cells
         page.click("div.lm-MenuBar-itemLabel:text-is('Run')")
         page.click("li.lm-Menu-item:has-text('Run All Cells')")
-        peak = page.wait_for_selector(".tb-peak", timeout=240_000)
+        peak = page.wait_for_selector(".tb-peak", timeout=MS)
         page.wait_for_function("() => !document.querySelector('.tb-ablation-message').innerText.includes('computing')",
-                               timeout=240_000)
+                               timeout=MS)
         before = page.inner_text(".tb-peak")
         handle = page.locator(".tb-seq-len .noUi-handle")
         handle.focus(); handle.press("ArrowLeft"); handle.press("ArrowLeft")
         page.wait_for_function("b => document.querySelector('.tb-peak') && document.querySelector('.tb-peak').innerText != b",
-                               arg=before, timeout=240_000)
+                               arg=before, timeout=MS)
         assert page.inner_text(".tb-peak") != before
         # a tiny run: the loss image changes as steps arrive
         loss0 = page.get_attribute(".tb-loss", "src")
         page.locator(".tb-run").click()
-        page.wait_for_function("s => document.querySelector('.tb-loss').getAttribute('src') != s", arg=loss0, timeout=300_000)
+        page.wait_for_function("s => document.querySelector('.tb-loss').getAttribute('src') != s", arg=loss0, timeout=MS)
         loss1 = page.get_attribute(".tb-loss", "src")
-        page.wait_for_function("s => document.querySelector('.tb-loss').getAttribute('src') != s", arg=loss1, timeout=300_000)
+        page.wait_for_function("s => document.querySelector('.tb-loss').getAttribute('src') != s", arg=loss1, timeout=MS)
         page.wait_for_function("() => /finished|stopped|failed/.test(document.querySelector('.tb-status').innerText)",
-                               timeout=600_000)
+                               timeout=MS)
         status = page.inner_text(".tb-status")
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         page.locator(".tb-loss").scroll_into_view_if_needed()

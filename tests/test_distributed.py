@@ -4,6 +4,8 @@ import os
 
 import pytest
 import torch
+
+from conftest import HANG
 import torch.nn.functional as F
 
 from tunebook.distributed import consolidate_to_hf, load_distributed, shard_model, torchrun_command
@@ -82,7 +84,7 @@ def train_all():
 
 @pytest.fixture(scope="module")
 def two_rank_runs():
-    return launch(train_all, nproc=2, verbose=False, timeout=300)
+    return launch(train_all, nproc=2, verbose=False, timeout=HANG)
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[f"lora={a}-in_backward={b}" for a, b in CASES])
@@ -115,7 +117,7 @@ def train_families():
 
 @pytest.fixture(scope="module")
 def two_rank_family_runs():
-    return launch(train_families, nproc=2, verbose=False, timeout=300)
+    return launch(train_families, nproc=2, verbose=False, timeout=HANG)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

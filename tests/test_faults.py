@@ -15,6 +15,7 @@ import pandas as pd
 import pytest
 import torch
 
+from conftest import wait_until
 from tunebook.checkpoint import save_hf
 from tunebook.cli import main
 from tunebook.data import make_task
@@ -111,7 +112,7 @@ def test_unwritable_output_dir_refused_before_training(tiny, tmp_path, capsys):
 def test_busy_folder_refused_stale_lock_taken_over(tiny, tmp_path, capsys):
     """F15: a live process owns the folder: refused, naming its pid. After it is gone the lock is stale: taken over."""
     out = tmp_path / "run"; out.mkdir()
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(10**6)"])   # alive until killed below
     try:
         (out / ".lock").write_text(json.dumps(dict(pid=other.pid, host=socket.gethostname())))
         assert _cli(tiny, out) == 2
@@ -134,8 +135,7 @@ def test_two_runs_at_once_into_one_folder(tiny, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     a = subprocess.Popen(argv + ["--max-steps", "100000", "--seed", "1"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 300
-        while not (out / ".lock").exists() and a.poll() is None and time.time() < deadline: time.sleep(0.05)
+        wait_until(lambda: (out / ".lock").exists() or a.poll() is not None, "the first run taking the folder's lock")
         assert (out / ".lock").exists(), a.stderr.read() if a.poll() is not None else "no lock"
         b = subprocess.run(argv + ["--max-steps", "2", "--seed", "2"], env=env, capture_output=True, text=True)
         assert b.returncode == 2 and f"in use by process {a.pid}" in b.stderr, b.stderr

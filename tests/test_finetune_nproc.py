@@ -7,6 +7,8 @@ import pandas as pd
 import pytest
 import torch
 
+from conftest import HANG
+
 from tunebook.checkpoint import load_hf, save_hf
 from tunebook.data import make_task
 from tunebook.model import build_model, pico
@@ -28,7 +30,7 @@ def _run(model_dir, out, nproc, *extra):
     argv = [sys.executable, "-m", "tunebook.cli", "finetune", "--quiet", "--model", str(model_dir), "--task", "reverse",
             "--n-train", "64", "--eval-samples", "2", "--max-new-tokens", "4", "--batch-size", "8", "--max-steps", "3",
             "--lr", "1e-3", "--warmup-steps", "0", "--dtype", "fp32", "--nproc", str(nproc), "--output-dir", str(out), *extra]
-    r = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    r = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=HANG)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return pd.read_csv(out / "metrics.csv")
 

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-lm_eval = pytest.importorskip("lm_eval")
+from conftest import need   # a dev dependency: missing is a failure, never a skip
+lm_eval = need("lm_eval")
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager

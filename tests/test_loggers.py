@@ -21,7 +21,8 @@ from tunebook.model import build_model, pico
 from tunebook.tokenizer import train_tokenizer
 from tunebook.train import TrainConfig, Trainer
 
-pytest.importorskip("tensorboard"); pytest.importorskip("mlflow"); pytest.importorskip("wandb")
+from conftest import need   # a dev dependency: missing is a failure, never a skip
+need("tensorboard"); need("mlflow"); need("wandb")
 
 
 def _expected_config(cfg):

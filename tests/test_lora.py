@@ -8,8 +8,9 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+from conftest import need   # a dev dependency: missing is a failure, never a skip
+transformers = need("transformers")
+peft = need("peft")
 
 from tunebook.lora import (LoRALinear, apply_lora, load_adapter, lora_modules, lora_state_dict, merge_lora,
                            nf4_dequantize, nf4_quantize, quantize_base, save_adapter, FrozenLinear, NF4_LEVELS)

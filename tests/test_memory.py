@@ -260,7 +260,11 @@ def test_rough_formula_against_the_estimator(method):
     rough, est = rough_estimate(cfg, **kw), estimate(cfg, **kw)
     assert rough.categories["parameters"] == est.categories["parameters"]
     assert rough.categories["optimizer"] == est.categories["optimizer"]
-    assert 0.5 <= rough.peak_bytes / est.peak_bytes <= 2.0, rough.peak_bytes / est.peak_bytes
+    # rough / fake-tensor peak, measured (smollm2-135m, batch 2 x 256, fp32, rank 16): full 1.1414, lora 0.9456,
+    # dora 0.6663 (the formula leaves out DoRA's saved weight norms and counts activations per block, not per op).
+    # Both sides are deterministic arithmetic, so the ratio is pinned to +-0.01: a change to either is seen here.
+    ratio = rough.peak_bytes / est.peak_bytes
+    assert abs(ratio - {"full": 1.1414, "lora": 0.9456, "dora": 0.6663}[method]) < 0.01, ratio
 
 
 def test_rough_parameter_count_is_the_model_for_every_builder():

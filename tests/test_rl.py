@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from conftest import HANG
 import torch.nn.functional as F
 
 from tunebook.data import make_preference_pairs
@@ -157,7 +159,7 @@ def test_two_processes_match_one(tiny, tmp_path, kind, method):
     def run(n, out):
         pre = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"] if n > 1 else [])
         r = subprocess.run(pre + [str(script), tiny[0], str(tmp_path / out), kind, method], capture_output=True, text=True,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=HANG)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
         return json.loads(next(l for l in r.stdout.splitlines() if l.startswith("RESULT "))[7:])
     one, two = run(1, "one"), run(2, "two")

@@ -19,7 +19,8 @@ from tokenizers import Regex, decoders, models, pre_tokenizers, processors, trai
 
 from tunebook.tokenizer import CHATML_TEMPLATE, Tokenizer, load_tokenizer, train_tokenizer
 
-transformers = pytest.importorskip("transformers")
+from conftest import need   # a dev dependency: missing is a failure, never a skip
+transformers = need("transformers")
 
 WORDS = ("the quick brown fox jumps over a lazy dog . don't it's café naïve 東京 über straße hello world 42 1999 "
          "data model token user assistant system , ! ?").split()

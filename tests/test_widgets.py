@@ -2,7 +2,6 @@
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ import torch
 from tunebook.data import make_task
 from tunebook.model import build_model, get_config
 from tunebook.tokenizer import train_tokenizer
+from conftest import HANG, hung, joined, run_reaches
 from tunebook import live
 from tunebook.live import LiveRun, compare_techniques, estimate_memory, step_memory
 from tunebook.memory import estimate, rough_estimate, state_bytes
@@ -31,7 +31,7 @@ def builder(tmp_path):
     rb = RunBuilder(loader=tiny_loader, output_dir=tmp_path / "rb", **FAST)
     rb.data.value, rb.batch_size.value, rb.seq_len.value = "add", 4, 32
     yield rb
-    if rb.run is not None and rb.run.running: rb.run.stop(); rb.run.wait(60)
+    if rb.run is not None and rb.run.running: rb.run.stop(); joined(rb.run.thread, "the stopped run's thread")
 
 
 def test_run_click_trains_and_saves_chart(builder):
@@ -40,7 +40,7 @@ def test_run_click_trains_and_saves_chart(builder):
     empty = builder.loss_image.value
     builder.run_button.click()
     assert builder.run_button.disabled and not builder.stop_button.disabled
-    builder.run.wait(120)
+    joined(builder.run.thread, "a 3-step run")
     assert builder.run.status == "finished", builder.status.value
     assert builder.progress.value == 3 and builder.loss_image.value != empty
     assert builder.png_path.exists() and builder.png_path.read_bytes()[:4] == PNG
@@ -52,10 +52,9 @@ def test_run_click_trains_and_saves_chart(builder):
 def test_stop_keeps_checkpoint(builder):
     builder.steps.value = 1000
     builder.run_button.click()
-    t0 = time.monotonic()
-    while len(builder.run.rows) < 2 and time.monotonic() - t0 < 60: time.sleep(0.05)
+    run_reaches(builder.run, lambda r: len(r.rows) >= 2, "two steps")
     builder.stop_button.click()
-    builder.run.wait(120)
+    joined(builder.run.thread, "the stopped run's thread")
     assert builder.run.status == "stopped" and len(builder.run.rows) < 1000
     from pathlib import Path
     assert list((Path(builder.run.config.output_dir) / "checkpoints").glob("step_*"))
@@ -76,7 +75,7 @@ def test_failure_inside_the_thread_is_a_message(tmp_path):
     def broken(cfg): raise RuntimeError("boom")
     rb = RunBuilder(loader=broken, output_dir=tmp_path, **FAST)
     rb.steps.value = 2
-    rb.run_button.click(); rb.run.wait(60)
+    rb.run_button.click(); joined(rb.run.thread, "the failing run's thread")
     assert rb.run.status == "failed" and "boom" in rb.status.value and not rb.run_button.disabled
 
 
@@ -84,7 +83,8 @@ def test_live_run_view_error_does_not_stop_training(tmp_path):
     from tunebook.train import TrainConfig
     def bad_view(run): raise ValueError("view broke")
     run = LiveRun(TrainConfig(task="add", max_steps=2, batch_size=4, max_seq_len=32, output_dir=str(tmp_path), **FAST),
-                  loader=tiny_loader, on_update=bad_view).start().wait(120)
+                  loader=tiny_loader, on_update=bad_view).start()
+    joined(run.thread, "a 2-step run")
     assert run.status == "finished" and "view broke" in run.view_error
 
 
@@ -106,13 +106,19 @@ def test_ablation_sliders_redraw_at_once():
     assert "only for models up to" in lab.message.value
 
 
+def _drawn(lab):
+    """Wait for the lab's background worker to finish (it clears `state._worker` when no request is left)."""
+    lab.wait(HANG)
+    assert lab.state._worker is None, hung("the ablation worker's estimate")
+
+
 def test_ablation_background_worker_draws_latest():
     lab = AblationLab(model="pico")
-    lab.wait(120)
+    _drawn(lab)
     first = lab.estimate
     for s in (128, 256, 64):
         lab.seq_len.value = s
-    lab.wait(120)
+    _drawn(lab)
     assert lab.estimate is not first
     assert "computing" not in lab.message.value
     assert lab.estimate is estimate_memory("pico", **lab.options())  # the latest request, from the cache
@@ -148,7 +154,7 @@ def test_compare_table_and_chart(tmp_path):
     cmp = Compare(loader=tiny_loader, output_dir=str(tmp_path), task="add", **FAST)
     cmp.combos.value = ("baseline", "optimizer in backward")
     cmp.steps.value, cmp.batch_size.value, cmp.seq_len.value = 1, 4, 32
-    cmp.run_button.click(); cmp.wait(180)
+    cmp.run_button.click(); joined(cmp.thread, "the comparison's two runs")
     df = cmp.frame
     assert list(df.combination) == ["baseline", "optimizer in backward"]
     assert df.error.isna().all() and (df.tokens_per_s > 0).all()

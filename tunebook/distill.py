@@ -16,7 +16,8 @@ from torch import nn
 from .config import AdapterPart, DataPart, MemoryPart, ModelPart, OptimPart, Part, RunPart
 from .data import IGNORE_INDEX, collate_fn
 from .model import BUILDERS, build_model
-from .train import SFT, ObjectiveSpec, Trainer, load_model_and_tokenizer, to_device, _HUB_NAME
+from .hub import is_hub_name
+from .train import SFT, ObjectiveSpec, Trainer, load_model_and_tokenizer, to_device
 
 # %% auto #0
 __all__ = ['DISTILL_SPEC', 'kl_div_loss', 'ChunkedKLDiv', 'student_config', 'DistillPart', 'DistillConfig', 'held_out_kl',
@@ -141,7 +142,7 @@ class DistillPart(Part):
 
     def problems(self) -> list[str]:
         bad, t = [], str(self.teacher)
-        if t != "embedded" and not Path(t).exists() and t.lower().replace("_", "-") not in BUILDERS and not _HUB_NAME.match(t):
+        if t != "embedded" and not Path(t).exists() and t.lower().replace("_", "-") not in BUILDERS and not is_hub_name(t):
             bad.append(f"{self.opt('teacher')}: no such folder; give a Hugging Face model folder (config.json + *.safetensors) or 'embedded'")
         for k in ("student_layers", "student_dim"):
             if getattr(self, k) is not None and getattr(self, k) < 1: bad.append(f"{self.opt(k)} must be >= 1 (or leave it out)")

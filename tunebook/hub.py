@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['MODEL_FILES', 'HubError', 'resolve_model']
+__all__ = ['MODEL_FILES', 'HubError', 'is_hub_name', 'resolve_model']
 
 # %% ../nbs/03b_hub.ipynb #123129f6
 MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt", "*.tiktoken"]  # what load_hf and load_tokenizer read
@@ -20,6 +20,12 @@ class HubError(RuntimeError):
     "A hub name that could not be resolved to a folder; the message says why and what to do."
 
 def _where(name, revision): return f"{name!r}" + (f" at revision {revision!r}" if revision else "")
+
+# %% ../nbs/03b_hub.ipynb #ad4efc82
+def is_hub_name(s) -> bool:
+    "Whether `s` is spelled as a hub repo ORG/NAME (it need not exist)."
+    s = str(s)
+    return bool(_NAME.match(s)) and ".." not in s and not s.endswith((".", "-"))
 
 # %% ../nbs/03b_hub.ipynb #dbd9e051
 def resolve_model(name_or_path, revision: str | None = None, kind: str = "model", cache_dir=None,
@@ -31,7 +37,7 @@ def resolve_model(name_or_path, revision: str | None = None, kind: str = "model"
         if revision: raise ValueError(f"revision={revision!r} was given for the local path {str(p)!r}; a revision pins a hub repo, not a folder.")
         return p
     name = str(name_or_path)
-    if not _NAME.match(name) or ".." in name or name.endswith((".", "-")):
+    if not is_hub_name(name):
         raise ValueError(f"{kind} {name!r} is neither an existing path nor a hub name ORG/NAME (e.g. Qwen/Qwen3-0.6B); "
                          "check the path, or give the repo as ORG/NAME.")
     from huggingface_hub import snapshot_download

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import typing
 from pathlib import Path
 
 from ..checkpoint import load_hf
 from ..config import TrainConfig
 from ..core import get_device
+from ..hub import is_hub_name
 from ..precision import resolve_precision
 from ..data import SFTDataset, get_task, load_records, make_task, sft_split
 from ..model import BUILDERS, build_model, get_config
@@ -25,14 +25,12 @@ __all__ = ['resolve_name', 'model_width', 'load_model_and_tokenizer', 'check_voc
            'load_data']
 
 # %% ../../nbs/11c_train_load.ipynb #48a45590
-_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
 def resolve_name(name, revision: str | None = None, kind: str = "model"):
     "`name` as a local folder: 'embedded', a builder name or an existing path as given; ORG/NAME through `tunebook.hub.resolve_model`."
     s = str(name)
     if name is None or s == "embedded" or (s.lower().replace("_", "-") in BUILDERS and not Path(s).exists()): return name
     exists = Path(s).expanduser().exists()
-    if (exists and not revision) or (not exists and not _HUB_NAME.match(s)): return name   # a missing path: the caller names the flag
+    if (exists and not revision) or (not exists and not is_hub_name(s)): return name   # a missing path: the caller names the flag
     from tunebook.hub import resolve_model
     return str(resolve_model(s, revision=revision, kind=kind))
 
