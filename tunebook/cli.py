@@ -277,14 +277,13 @@ def main(argv=None) -> int:
         args = _parse(parser, argv)
         args.argv = argv
         return args.func(args) or 0
-    except (ValueError, OSError, KeyError, RunError, HubError) as e:   # a bad file, folder, option, data or checkpoint; a run's fault
+    except (ValueError, OSError, RunError, HubError) as e:   # a bad file, folder, option, data or checkpoint; a run's fault (anything else is a bug: its traceback)
         print(f"tunebook {args.command}: error: {one_line(e)}", file=sys.stderr)
         return getattr(e, "exit_code", 2)
 
 def one_line(e: BaseException) -> str:
     "An error's message on one line: a list of problems joined with '; '."
-    text = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-    lines = [l.strip() for l in str(text).splitlines() if l.strip()]
+    lines = [l.strip() for l in str(e).splitlines() if l.strip()]
     if len(lines) < 2: return lines[0] if lines else type(e).__name__
     return lines[0].rstrip(":") + ": " + "; ".join(l.lstrip("- ") for l in lines[1:])
 

@@ -196,9 +196,8 @@ class Distill(SFT):
         "The teacher (loaded once from --teacher) and its tokenizer (None when it was given)."
         if self.teacher is not None: return None
         c = tr.config
-        try: self.teacher, tok = load_model_and_tokenizer(ModelPart(model=c.teacher, tokenizer=c.tokenizer, revision=c.revision,
-                                                                    dtype=c.dtype, device=c.device))
-        except (FileNotFoundError, ValueError) as e: raise type(e)(str(e).replace("--model", "--teacher")) from None
+        self.teacher, tok = load_model_and_tokenizer(ModelPart(model=c.teacher, tokenizer=c.tokenizer, revision=c.revision,
+                                                               dtype=c.dtype, device=c.device), flag="--teacher")
         return tok
 
     def load_model(self, tr):

@@ -152,7 +152,7 @@ class Ablation:
                         chunked_ce=o.get("chunked_ce", 0), optimizer_in_backward=o.get("optimizer_in_backward", False),
                         max_grad_norm=None if o.get("optimizer_in_backward") else 1.0).validate()
             cfg = model_config(model)
-        except (ValueError, FileNotFoundError, KeyError) as e: return str(e)
+        except (ValueError, FileNotFoundError) as e: return str(e)
         if o.get("seq_len", 0) > cfg.max_seq_len: return f"seq_len={o['seq_len']} exceeds {model}'s max_seq_len={cfg.max_seq_len}"
         return None
 

@@ -136,7 +136,7 @@ def load_state_dict(self: InBackwardOptimizer, state_dict: dict) -> None:
     "Load what `state_dict` saved; the parameter names must match."
     missing, unexpected = set(self.optimizers) - set(state_dict), set(state_dict) - set(self.optimizers)
     if missing or unexpected:
-        raise KeyError(f"optimizer state does not match the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}.")
+        raise ValueError(f"optimizer state does not match the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}.")
     for n, opt in self.optimizers.items(): opt.load_state_dict(state_dict[n])
 
 # %% ../nbs/08_optim.ipynb #7a0d4d04
@@ -151,7 +151,7 @@ class SchedulerGroup:
     def state_dict(self) -> dict: return {n: s.state_dict() for n, s in self.schedulers.items()}
     def load_state_dict(self, state_dict: dict) -> None:
         if set(state_dict) != set(self.schedulers):
-            raise KeyError(f"scheduler state is for parameters {sorted(state_dict)}, but this group has {sorted(self.schedulers)}.")
+            raise ValueError(f"scheduler state is for parameters {sorted(state_dict)}, but this group has {sorted(self.schedulers)}.")
         for n, s in self.schedulers.items(): s.load_state_dict(state_dict[n])
 
 @patch

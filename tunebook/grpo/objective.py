@@ -11,7 +11,7 @@ import time
 import numpy as np
 import torch
 
-from ..core import cpu_cores, patch
+from ..core import cpu_cores
 from ..data import IGNORE_INDEX, make_task
 from ..logprobs import Reference
 from ..rundir import warn
@@ -53,6 +53,18 @@ def prompt_rows(cfg: GRPOConfig, tokenizer, task: str | None) -> tuple[list[dict
     return kept, [r for r in evals if fits(r)]
 
 # %% ../../nbs/12be_grpo_objective.ipynb #778ae160
+class _ClosePool:
+    "Stops the objective's generators when the run is asked to stop, and when it ends."
+    def __init__(self, obj): self.obj = obj
+    def on_step(self, tr, row):
+        if tr.should_stop: self.obj.close(tr)
+    def on_end(self, tr, summary): self.obj.close(tr)
+
+def _chat(c) -> bool | None: return None if c.chat_template else False
+
+def _trainable(model) -> dict: return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+# %% ../../nbs/12be_grpo_objective.ipynb #e6d4ea43
 class GRPO(Objective):
     "GRPO: each micro-batch is a rollout (sampled here, or by generator processes); the loss is one of `LOSS_TYPES`."
     name, lead = "grpo", "eval_reward"
@@ -65,9 +77,10 @@ class GRPO(Objective):
         self.pool, self.engine, self.reference, self.snapshots, self.published = None, engine, None, {}, None
         self.own_engine, self.loaded = engine is None, None   # loaded: the learner step whose weights the engine holds
         self.counters = dict(samples=0, dropped_stale=0, max_staleness_used=0)
+        self._threads = None   # the caller's torch thread count while generator processes share the cores
 
     def problems(self, config) -> list[str]:
-        bad = []
+        bad = super().problems(config)
         if not self.own_engine and (config.generator != "vllm" or config.async_mode):
             bad.append("engine= is a started vLLM generator for a synchronous run: set generator='vllm' and async_mode=False "
                        "(async generators start their own engines in their processes)")
@@ -95,144 +108,121 @@ class GRPO(Objective):
 
     def n_batches(self, tr): return None   # rollouts are an endless source
 
-# %% ../../nbs/12be_grpo_objective.ipynb #e6d4ea43
-class _ClosePool:
-    "Stops the objective's generators when the run is asked to stop, and when it ends."
-    def __init__(self, obj): self.obj = obj
-    def on_step(self, tr, row):
-        if tr.should_stop: self.obj.close(tr)
-    def on_end(self, tr, summary): self.obj.close(tr)
+    def start_pool(self, tr):
+        "Start the generator processes on the learner's current weights (version = its step)."
+        c = tr.config
+        self._threads = torch.get_num_threads()
+        torch.set_num_threads(c.learner_threads or max(1, cpu_cores() - c.num_generators * c.generator_threads))
+        self.pool = GeneratorPool(tr.model, tr.tokenizer, self.reference, self.prompts, self.reward_fn, c.num_generators,
+                                  c.queue_size, c.max_staleness, c.worker_timeout, c.seed, backend=c.generator,
+                                  threads=c.generator_threads, prompts_per_step=c.prompts_per_step, group_size=c.group_size,
+                                  max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_k=c.top_k, beta=c.beta,
+                                  use_chat_template=_chat(c), dtype=c.generator_dtype).start(tr.step)
+        self.published = tr.step
 
-def _chat(c) -> bool | None: return None if c.chat_template else False
+    def sync_engine(self, tr):
+        "Synchronous vllm backend: start this process's engine once (or take the given one), then load the learner's weights when its step moved."
+        from tunebook.grpo.workers import start_vllm
+        if self.engine is None:
+            self.engine, self.own_engine = start_vllm(tr.model, tr.tokenizer, tr.config.seed, tr.config.generator_dtype), True
+            self.loaded = self.engine.version = tr.step   # started on the learner's weights
+            self.counters["generator_startup_seconds"] = self.engine.startup_seconds
+            warn(f"the vllm generator started in {self.engine.startup_seconds:.1f} s")
+        if self.loaded != tr.step:   # a given engine holds whatever it was last given: load the learner's weights first
+            self.engine.update_weights(tr.model, version=tr.step); self.loaded = tr.step
 
-def _trainable(model) -> dict: return {n: p for n, p in model.named_parameters() if p.requires_grad}
+    def close(self, tr):
+        "Stop the generators (if any) and give the learner its threads back."
+        if self.engine is not None and self.own_engine: self.engine.close(); self.engine = None
+        self.loaded = None
+        if self.pool is None or self.pool.queue is None: return
+        self.pool.stop()
+        for k in ("dropped_stale", "max_staleness_used"): self.counters[k] = self.pool.counters[k]
+        torch.set_num_threads(self._threads)
 
-@patch
-def start_pool(self: GRPO, tr):
-    "Start the generator processes on the learner's current weights (version = its step)."
-    c = tr.config
-    self._threads = torch.get_num_threads()
-    torch.set_num_threads(c.learner_threads or max(1, cpu_cores() - c.num_generators * c.generator_threads))
-    self.pool = GeneratorPool(tr.model, tr.tokenizer, self.reference, self.prompts, self.reward_fn, c.num_generators,
-                              c.queue_size, c.max_staleness, c.worker_timeout, c.seed, backend=c.generator,
-                              threads=c.generator_threads, prompts_per_step=c.prompts_per_step, group_size=c.group_size,
-                              max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_k=c.top_k, beta=c.beta,
-                              use_chat_template=_chat(c), dtype=c.generator_dtype).start(tr.step)
-    self.published = tr.step
+    def new_step(self, tr):
+        "Async, first micro-batch of a step: publish the weights (every sync_every steps), keep this version's trainable tensors."
+        c = tr.config
+        if tr.step != self.published and tr.step % c.sync_every == 0:
+            self.pool.publish(tr.step); self.published = tr.step
+        self.snapshots[tr.step] = {n: p.detach().clone() for n, p in _trainable(tr.model).items()}
+        for v in [v for v in self.snapshots if v < tr.step - c.max_staleness]: del self.snapshots[v]
 
-@patch
-def sync_engine(self: GRPO, tr):
-    "Synchronous vllm backend: start this process's engine once (or take the given one), then load the learner's weights when its step moved."
-    from tunebook.grpo.workers import start_vllm
-    if self.engine is None:
-        self.engine, self.own_engine = start_vllm(tr.model, tr.tokenizer, tr.config.seed, tr.config.generator_dtype), True
-        self.loaded = self.engine.version = tr.step   # started on the learner's weights
-        self.counters["generator_startup_seconds"] = self.engine.startup_seconds
-        warn(f"the vllm generator started in {self.engine.startup_seconds:.1f} s")
-    if self.loaded != tr.step:   # a given engine holds whatever it was last given: load the learner's weights first
-        self.engine.update_weights(tr.model, version=tr.step); self.loaded = tr.step
+    def batch(self, tr, g: int) -> dict:
+        "The g-th rollout of the run, as tensors on the model's device."
+        c, dev, t0 = tr.config, tr.model.embed_tokens.weight.device, time.perf_counter()
+        if c.async_mode:
+            if self.pool is None or self.pool.queue is None: self.start_pool(tr)
+            if g % c.grad_accum_steps == 0: self.new_step(tr)
+            ro = self.pool.get(tr.step)
+            if g == c.max_steps * c.grad_accum_steps - 1: self.close(tr)   # the run's last rollout: free the generators' cores
+        else:
+            seed = c.seed * 1_000_003 + g
+            rng = random.Random(seed)
+            rows = [self.prompts[rng.randrange(len(self.prompts))] for _ in range(c.prompts_per_step)]
+            if c.generator == "vllm": self.sync_engine(tr)
+            ro = sample_groups(tr.model, tr.tokenizer, rows, c.group_size, self.reward_fn, c.max_new_tokens, c.temperature,
+                               c.top_k, torch.Generator(dev).manual_seed(seed), use_chat_template=_chat(c), sampler=self.engine)
+            ro.update(version=tr.step, staleness=0, sample_seconds=time.perf_counter() - t0)
+        if ro.get("startup_seconds") and "generator_startup_seconds" not in self.counters:
+            self.counters["generator_startup_seconds"] = ro["startup_seconds"]
+            warn(f"the {c.generator} generator started in {ro['startup_seconds']:.1f} s")
+        self.counters["samples"] += int(ro["rewards"].size)
+        keys = PACKED_KEYS + ("old_logprobs", "rewards") + (("ref_logprobs",) if "ref_logprobs" in ro else ())
+        return dict(rollout_tensors(ro, dev, keys), version=ro["version"], staleness=ro["staleness"],
+                    sample_seconds=ro["sample_seconds"], wait_seconds=time.perf_counter() - t0)
 
-@patch
-def close(self: GRPO, tr):
-    "Stop the generators (if any) and give the learner its threads back."
-    if self.engine is not None and self.own_engine: self.engine.close(); self.engine = None
-    self.loaded = None
-    if self.pool is None or self.pool.queue is None: return
-    self.pool.stop()
-    for k in ("dropped_stale", "max_staleness_used"): self.counters[k] = self.pool.counters[k]
-    torch.set_num_threads(self._threads)
+    def weight(self, tr, b: dict) -> int:
+        "Units of this rollout's summed loss: sequences, or completion tokens for dapo."
+        return loss_units(tr.config.loss_type, b["labels"] != IGNORE_INDEX)
 
-@patch
-def new_step(self: GRPO, tr):
-    "Async, first micro-batch of a step: publish the weights (every sync_every steps), keep this version's trainable tensors."
-    c = tr.config
-    if tr.step != self.published and tr.step % c.sync_every == 0:
-        self.pool.publish(tr.step); self.published = tr.step
-    self.snapshots[tr.step] = {n: p.detach().clone() for n, p in _trainable(tr.model).items()}
-    for v in [v for v in self.snapshots if v < tr.step - c.max_staleness]: del self.snapshots[v]
+    def logprobs_at(self, tr, b: dict) -> torch.Tensor:
+        "The learner's log-probs of the rollout with its trainable tensors as they were at the rollout's version."
+        params, snap = _trainable(tr.model), self.snapshots[b["version"]]
+        with torch.no_grad():
+            now = {n: p.detach().clone() for n, p in params.items()}
+            try:
+                for n, p in params.items(): p.copy_(snap[n])
+                return group_logprobs(tr.model, b, tr.config.chunked_ce)
+            finally:
+                for n, p in params.items(): p.copy_(now[n])
 
-# %% ../../nbs/12be_grpo_objective.ipynb #246acd9f
-@patch
-def batch(self: GRPO, tr, g: int) -> dict:
-    "The g-th rollout of the run, as tensors on the model's device."
-    c, dev, t0 = tr.config, tr.model.embed_tokens.weight.device, time.perf_counter()
-    if c.async_mode:
-        if self.pool is None or self.pool.queue is None: self.start_pool(tr)
-        if g % c.grad_accum_steps == 0: self.new_step(tr)
-        ro = self.pool.get(tr.step)
-        if g == c.max_steps * c.grad_accum_steps - 1: self.close(tr)   # the run's last rollout: free the generators' cores
-    else:
-        seed = c.seed * 1_000_003 + g
-        rng = random.Random(seed)
-        rows = [self.prompts[rng.randrange(len(self.prompts))] for _ in range(c.prompts_per_step)]
-        if c.generator == "vllm": self.sync_engine(tr)
-        ro = sample_groups(tr.model, tr.tokenizer, rows, c.group_size, self.reward_fn, c.max_new_tokens, c.temperature,
-                           c.top_k, torch.Generator(dev).manual_seed(seed), use_chat_template=_chat(c), sampler=self.engine)
-        ro.update(version=tr.step, staleness=0, sample_seconds=time.perf_counter() - t0)
-    if ro.get("startup_seconds") and "generator_startup_seconds" not in self.counters:
-        self.counters["generator_startup_seconds"] = ro["startup_seconds"]
-        warn(f"the {c.generator} generator started in {ro['startup_seconds']:.1f} s")
-    self.counters["samples"] += int(ro["rewards"].size)
-    keys = PACKED_KEYS + ("old_logprobs", "rewards") + (("ref_logprobs",) if "ref_logprobs" in ro else ())
-    return dict(rollout_tensors(ro, dev, keys), version=ro["version"], staleness=ro["staleness"],
-                sample_seconds=ro["sample_seconds"], wait_seconds=time.perf_counter() - t0)
+    def loss(self, tr, b: dict) -> tuple[torch.Tensor, dict]:
+        "(the variant's loss summed over its units, per-unit stats) of one rollout."
+        c = tr.config
+        mask = b["labels"] != IGNORE_INDEX
+        fwd = lambda m: group_logprobs(m, b, c.chunked_ce)
+        then = self.logprobs_at(tr, b) if b["staleness"] else None   # before the forward whose graph backward uses
+        lp = fwd(tr.model)
+        learner_old, sampler = (lp.detach() if then is None else then), b["old_logprobs"]
+        if "ref_logprobs" in b: ref = b["ref_logprobs"]
+        elif c.beta: ref = self.reference(fwd)
+        else: ref = lp.detach()   # no KL term, no reference pass
+        adv = group_advantages(b["rewards"], scale=c.loss_type != "dr_grpo")
+        old = sampler if c.offpolicy == "none" else learner_old
+        w = torch.exp(learner_old - sampler).clamp(max=c.tis_cap) if c.offpolicy == "tis" else None
+        total, st = grpo_loss(lp, old, ref, adv, mask, c.clip_eps, c.beta, c.loss_type, c.clip_eps_high, c.max_new_tokens, w,
+                              reduction="sum")
+        gap = (sampler - learner_old).abs()[mask]
+        return total, dict(reward=b["rewards"].flatten(), kl=st["kl"], clip_fraction=st["clip_fraction"], ratio=st["ratio"],
+                           logprob_gap=gap, logprob_gap_max=gap.max().reshape(1), staleness=torch.tensor([float(b["staleness"])]),
+                           sample_seconds=torch.tensor([float(b["sample_seconds"])]))
 
-@patch
-def weight(self: GRPO, tr, b: dict) -> int:
-    "Units of this rollout's summed loss: sequences, or completion tokens for dapo."
-    return loss_units(tr.config.loss_type, b["labels"] != IGNORE_INDEX)
+    def evaluate(self, tr) -> dict:
+        "Mean reward of greedy completions of the held-out prompts."
+        c = tr.config
+        return dict(eval_reward=evaluate_reward(tr.model, tr.tokenizer, self.eval_prompts, self.reward_fn, c.max_new_tokens,
+                                                use_chat_template=_chat(c)))
 
-@patch
-def logprobs_at(self: GRPO, tr, b: dict) -> torch.Tensor:
-    "The learner's log-probs of the rollout with its trainable tensors as they were at the rollout's version."
-    params, snap = _trainable(tr.model), self.snapshots[b["version"]]
-    with torch.no_grad():
-        now = {n: p.detach().clone() for n, p in params.items()}
-        try:
-            for n, p in params.items(): p.copy_(snap[n])
-            return group_logprobs(tr.model, b, tr.config.chunked_ce)
-        finally:
-            for n, p in params.items(): p.copy_(now[n])
-
-@patch
-def loss(self: GRPO, tr, b: dict) -> tuple[torch.Tensor, dict]:
-    "(the variant's loss summed over its units, per-unit stats) of one rollout."
-    c = tr.config
-    mask = b["labels"] != IGNORE_INDEX
-    fwd = lambda m: group_logprobs(m, b, c.chunked_ce)
-    then = self.logprobs_at(tr, b) if b["staleness"] else None   # before the forward whose graph backward uses
-    lp = fwd(tr.model)
-    learner_old, sampler = (lp.detach() if then is None else then), b["old_logprobs"]
-    if "ref_logprobs" in b: ref = b["ref_logprobs"]
-    elif c.beta: ref = self.reference(fwd)
-    else: ref = lp.detach()   # no KL term, no reference pass
-    adv = group_advantages(b["rewards"], scale=c.loss_type != "dr_grpo")
-    old = sampler if c.offpolicy == "none" else learner_old
-    w = torch.exp(learner_old - sampler).clamp(max=c.tis_cap) if c.offpolicy == "tis" else None
-    total, st = grpo_loss(lp, old, ref, adv, mask, c.clip_eps, c.beta, c.loss_type, c.clip_eps_high, c.max_new_tokens, w,
-                          reduction="sum")
-    gap = (sampler - learner_old).abs()[mask]
-    return total, dict(reward=b["rewards"].flatten(), kl=st["kl"], clip_fraction=st["clip_fraction"], ratio=st["ratio"],
-                       logprob_gap=gap, logprob_gap_max=gap.max().reshape(1), staleness=torch.tensor([float(b["staleness"])]),
-                       sample_seconds=torch.tensor([float(b["sample_seconds"])]))
-
-@patch
-def evaluate(self: GRPO, tr) -> dict:
-    "Mean reward of greedy completions of the held-out prompts."
-    c = tr.config
-    return dict(eval_reward=evaluate_reward(tr.model, tr.tokenizer, self.eval_prompts, self.reward_fn, c.max_new_tokens,
-                                            use_chat_template=_chat(c)))
-
-@patch
-def summary(self: GRPO, tr) -> dict:
-    "Sampling and staleness counts for summary.json."
-    c, m = tr.config, tr.metrics
-    secs = sum(r["seconds"] for r in m) - self.counters.get("generator_startup_seconds", 0.0)   # throughput once running
-    return dict(async_mode=c.async_mode, generator=c.generator, loss_type=c.loss_type, offpolicy=c.offpolicy,
-                samples=self.counters["samples"], samples_per_second=self.counters["samples"] / secs if secs else None,
-                mean_train_reward=float(np.mean([r["reward"] for r in m])) if m else None,
-                dropped_stale=self.counters["dropped_stale"], max_staleness_used=self.counters["max_staleness_used"],
-                max_staleness=c.max_staleness, **{k: v for k, v in self.counters.items() if k == "generator_startup_seconds"})
+    def summary(self, tr) -> dict:
+        "Sampling and staleness counts for summary.json."
+        c, m = tr.config, tr.metrics
+        secs = sum(r["seconds"] for r in m) - self.counters.get("generator_startup_seconds", 0.0)   # throughput once running
+        return dict(async_mode=c.async_mode, generator=c.generator, loss_type=c.loss_type, offpolicy=c.offpolicy,
+                    samples=self.counters["samples"], samples_per_second=self.counters["samples"] / secs if secs else None,
+                    mean_train_reward=float(np.mean([r["reward"] for r in m])) if m else None,
+                    dropped_stale=self.counters["dropped_stale"], max_staleness_used=self.counters["max_staleness_used"],
+                    max_staleness=c.max_staleness, **{k: v for k, v in self.counters.items() if k == "generator_startup_seconds"})
 
 # %% ../../nbs/12be_grpo_objective.ipynb #decf3f98
 class GRPOTrainer(Trainer):

@@ -46,7 +46,8 @@ def model_width(cfg, model=None) -> int | None:
     except (OSError, ValueError): return None
     return c.get("hidden_size") or (c.get("text_config") or {}).get("hidden_size")
 
-def load_model_and_tokenizer(cfg: TrainConfig):
+def load_model_and_tokenizer(cfg: TrainConfig,
+                             flag: str = "--model"):   # how errors name the option that gave the model (distillation's teacher: --teacher)
     "The model and tokenizer a config names (folders or hub names at `cfg.revision`), on its device and dtype."
     device = get_device(cfg.device)
     tok_rev = cfg.revision if cfg.tokenizer and not Path(str(cfg.tokenizer)).exists() else None
@@ -65,10 +66,10 @@ def load_model_and_tokenizer(cfg: TrainConfig):
     else:
         path = Path(cfg.model)
         if not path.exists():
-            raise FileNotFoundError(f"--model {cfg.model!r}: no such folder. Give a Hugging Face model folder (config.json + "
+            raise FileNotFoundError(f"{flag} {cfg.model!r}: no such folder. Give a Hugging Face model folder (config.json + "
                                     f"*.safetensors), 'embedded', or one of: {', '.join(BUILDERS)}.")
         if not (path / "config.json").exists():
-            raise FileNotFoundError(f"--model {cfg.model!r} is not a model folder: it has no config.json. Point --model at the "
+            raise FileNotFoundError(f"{flag} {cfg.model!r} is not a model folder: it has no config.json. Point {flag} at the "
                                     "folder that holds config.json, model.safetensors and the tokenizer files.")
     model = load_hf(path, dtype=dtype, device=device)
     tok = load_tokenizer(cfg.tokenizer or path)
