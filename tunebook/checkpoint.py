@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .core import check_dir, dtype_name, get_dtype, read_json
+from .core import check_dir, get_dtype, read_json
 from .model import ModelConfig, Transformer, build_model
 from .hfconfig import SUPPORTED, config_from_hf, config_to_hf  # the config.json mapping (03c_hfconfig), re-exported
 _all_ = ['SUPPORTED', 'config_from_hf', 'config_to_hf']

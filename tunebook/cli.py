@@ -11,7 +11,6 @@ import json
 import os
 import sys
 import time
-import typing
 
 from .config.files import field_help
 from .core import human_bytes

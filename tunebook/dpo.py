@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset as TorchDataset
 
 from .config import AdapterPart, MemoryPart, ModelPart, OptimPart, Part, RunPart, SourcePart
-from .data import IGNORE_INDEX, collate_fn, encode_conversation, fit_max_new_tokens, fit_max_seq_len, get_task, load_records, make_preference_pairs, shift_labels
-from .logprobs import Reference, label_counts, sequence_logprobs, token_logprobs   # shared with GRPO and KTO
+from .data import collate_fn, encode_conversation, fit_max_new_tokens, fit_max_seq_len, get_task, load_records, make_preference_pairs, shift_labels
+from .logprobs import Reference, label_counts, sequence_logprobs   # shared with GRPO and KTO
 from .preference import ipo_loss, orpo_loss, simpo_loss
 from .records import preference_example, with_system
 from .train import Objective, ObjectiveSpec, RunData, Trainer, evaluate_accuracy, exact_check, to_device

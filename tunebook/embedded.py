@@ -12,13 +12,11 @@ from pathlib import Path
 import torch
 
 from .checkpoint import load_hf, save_hf
-from .core import EMBEDDED_DIR, count_params, human_bytes, seed_everything
+from .core import EMBEDDED_DIR, count_params, seed_everything
 from .tasks import FINETUNE_TASK, HELD_OUT_TASKS, PRETRAIN_TASKS
 from .data import TASKS, PackedDataset, SFTDataset, check_answer, make_loader, make_mixture, make_task, pack
 from .generate import generate
-from .loss import ChunkedCrossEntropy
 from .model import ModelConfig, Transformer, build_model
-from .optim import warmup_cosine
 from .tokenizer import Tokenizer, load_tokenizer, train_tokenizer
 from .train import Objective, RunData, TrainConfig, Trainer, lm_loss_sum, to_device
 from types import SimpleNamespace

@@ -5,7 +5,6 @@
 # %% ../nbs/03b_hub.ipynb #387a661d
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 

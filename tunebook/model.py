@@ -6,8 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn

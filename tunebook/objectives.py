@@ -5,13 +5,12 @@
 # %% ../nbs/12e_objectives.ipynb #204eed85
 from __future__ import annotations
 
-from .config import TrainConfig
 from .config.commands import CompareConfig, EstimateConfig
 from .distill import DISTILL_SPEC
 from .dpo import DPO_SPEC
 from .grpo import GRPO_SPEC
 from .kto import KTO_SPEC
-from .train import FINETUNE_SPEC, ObjectiveSpec, Trainer
+from .train import FINETUNE_SPEC, ObjectiveSpec
 
 # %% auto #0
 __all__ = ['OBJECTIVES', 'MEASURES', 'commands', 'config_class', 'spec_for', 'trainer_for']

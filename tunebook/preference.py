@@ -5,7 +5,6 @@
 # %% ../nbs/12c_preference.ipynb #0e22ad23
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F

@@ -5,7 +5,6 @@
 # %% ../../nbs/12bd_grpo_config.ipynb #da09158f
 from __future__ import annotations
 
-import dataclasses
 import typing
 from dataclasses import dataclass
 

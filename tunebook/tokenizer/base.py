@@ -13,7 +13,7 @@ import tokenizers
 from tokenizers import processors
 
 from ..core import patch
-from .backends import SentencePieceBackend, TokenizersBackend
+from .backends import SentencePieceBackend
 
 # %% auto #0
 __all__ = ['END_OF_TURN', 'Tokenizer']

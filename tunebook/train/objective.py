@@ -5,7 +5,6 @@
 # %% ../../nbs/11e_train_objective.ipynb #1113ee88
 from __future__ import annotations
 
-import dataclasses
 import math
 import typing
 from dataclasses import dataclass, field
