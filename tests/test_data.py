@@ -156,7 +156,7 @@ def test_too_long_rows_are_dropped_never_cut(plain_tok):
     assert s.trained_tokens == sum(l != IGNORE_INDEX for x in ds.examples for l in x["labels"])
     with pytest.raises(ValueError, match=rf"1 of 3 examples .* longer than max_seq_len={limit} .*Set max_seq_len={max(n)}"):
         SFTDataset(rows, plain_tok, max_seq_len=limit, too_long="error")
-    with pytest.raises(ValueError, match=rf"every example .* longer than max_seq_len={min(n) - 1} .*set max_seq_len={max(n)}"):
+    with pytest.raises(ValueError, match=rf"every example .* longer than max_seq_len={min(n) - 1} .*set max_seq_len={max(n)} \(--max-seq-len {max(n)}\)"):
         SFTDataset(rows, plain_tok, max_seq_len=min(n) - 1)
     with pytest.raises(ValueError, match="no assistant turn|to learn"):
         SFTDataset([{"messages": [{"role": "user", "content": "hi"}]}], plain_tok, use_chat_template=False)
@@ -177,7 +177,7 @@ def test_max_seq_len_from_the_data(tok):
     with pytest.warns(UserWarning, match=rf"max_seq_len={ctx} \(the model's context; the longest example has {max(ref)} tokens\)"):
         capped = SFTDataset(rows, tok, system_prompt=sysmsg, context=ctx)
     assert capped.max_seq_len == ctx and len(capped) == 2 and capped.stats.too_long == 1
-    with pytest.raises(ValueError, match=rf"beyond the model's context of {ctx} positions: set max_seq_len={ctx} or less"):
+    with pytest.raises(ValueError, match=rf"beyond the model's context of {ctx} positions: set max_seq_len={ctx} \(--max-seq-len {ctx}\) or less"):
         SFTDataset(rows, tok, system_prompt=sysmsg, max_seq_len=ctx + 1, context=ctx)
     text = SFTDataset([{"text": "1+1=2 " * 40}, {"text": "2+2=4"}], tok, context=16)   # plain text: windows, nothing dropped
     assert text.max_seq_len == 16 and "split into windows" in text.length_report

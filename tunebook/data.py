@@ -5,6 +5,8 @@
 # %% ../nbs/05_data.ipynb #cfb1da95
 from __future__ import annotations
 
+from .core import spell
+
 import warnings
 from dataclasses import dataclass
 
@@ -50,7 +52,7 @@ def encode_conversation(tokenizer,                       # a `tunebook.tokenizer
     if use_chat_template:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("use_chat_template=True, but this tokenizer has no chat template; give it one "
-                             "(tokenizer.chat_template = ...) or use the plain layout (use_chat_template=False).")
+                             f"(tokenizer.chat_template = ...) or use the plain layout ({spell('use_chat_template', False)}).")
         ids, mask = tokenizer.encode_messages(messages)
         ids, mask = list(ids), list(mask)
         if train_on == "last": mask = _last_run(mask)
@@ -105,10 +107,10 @@ def fit_max_seq_len(lengths: list[int],            # tokens of each example, as 
     "(max_seq_len, report): the user's value, else the longest example capped by `context`; the report says what is dropped."
     longest = max(lengths)
     if max_seq_len is not None:
-        if max_seq_len < 2: raise ValueError(f"max_seq_len={max_seq_len} is too small: a row needs at least 2 tokens.")
+        if max_seq_len < 2: raise ValueError(f"{spell('max_seq_len', max_seq_len)} is too small: a row needs at least 2 tokens.")
         if context and max_seq_len > context:
-            raise ValueError(f"max_seq_len={max_seq_len} is beyond the model's context of {context} positions: set "
-                             f"max_seq_len={context} or less (the longest example has {longest} tokens), or leave it unset to fit the data.")
+            raise ValueError(f"{spell('max_seq_len', max_seq_len)} is beyond the model's context of {context} positions: set "
+                             f"{spell('max_seq_len', context)} or less (the longest example has {longest} tokens), or leave it unset to fit the data.")
         n, how = max_seq_len, "as set"
     elif context and longest > context: n, how = context, f"the model's context; the longest example has {longest} tokens"
     else: n, how = max(longest, 2), "the longest example"
@@ -166,7 +168,7 @@ class SFTDataset(TorchDataset):
         has_template = bool(getattr(tokenizer, "chat_template", None))
         if fmt in _CHAT_FORMATS and use_chat_template is None and not has_template:
             raise ValueError(f"{rows.name} is {fmt} data, but the tokenizer has no chat template, so roles and turns would be "
-                             "lost. Use a tokenizer with a chat template, or pass use_chat_template=False for the documented "
+                             f"lost. Use a tokenizer with a chat template, or pass {spell('use_chat_template', False)} for the documented "
                              "plain layout (contents joined, each assistant turn ended by EOS).")
         self.use_chat_template = has_template if use_chat_template is None else use_chat_template
         self.tokenizer, self.format, self.system_prompt = tokenizer, fmt, system_prompt
@@ -193,9 +195,9 @@ class SFTDataset(TorchDataset):
         self.max_seq_len, self.length_report = fit_max_seq_len(self.lengths, context, max_seq_len, windows=fmt == "text")
         max_seq_len, over = self.max_seq_len, sum(n > self.max_seq_len for n in self.lengths)
         if over and too_long == "error" and fmt != "text":
-            raise ValueError(f"{over} of {st.examples} examples of {rows.name} are longer than max_seq_len={max_seq_len} (the longest "
+            raise ValueError(f"{over} of {st.examples} examples of {rows.name} are longer than {spell('max_seq_len', max_seq_len)} (the longest "
                              f"has {st.longest} tokens); cutting them would lose their end-of-turn token. Set "
-                             f"max_seq_len={st.longest}, leave it unset to fit the data, or pass too_long='drop'.")
+                             f"{spell('max_seq_len', st.longest)}, leave it unset to fit the data, or pass too_long='drop'.")
         self.examples = []
         for ids, mask in encoded:
             if fmt == "text": pieces = [(ids[s:s + max_seq_len], mask[s:s + max_seq_len]) for s in range(0, len(ids), max_seq_len)]
@@ -210,8 +212,8 @@ class SFTDataset(TorchDataset):
         self.stats = st
         if not self.examples:
             if st.too_long:
-                raise ValueError(f"every example of {rows.name} is longer than max_seq_len={max_seq_len} (the longest has "
-                                 f"{st.longest} tokens), so none is left to train on: set max_seq_len={st.longest}, or leave it "
+                raise ValueError(f"every example of {rows.name} is longer than {spell('max_seq_len', max_seq_len)} (the longest has "
+                                 f"{st.longest} tokens), so none is left to train on: set {spell('max_seq_len', st.longest)}, or leave it "
                                  "unset to fit the data.")
             raise ValueError(f"none of the {st.examples} examples has a token to learn: (chat) no message has the role 'assistant'.")
         if st.too_long: warnings.warn(f"{rows.name}: {self.length_report}.")
@@ -246,7 +248,7 @@ def eval_examples(rows, format: str = "auto", prompt_field: str = "prompt", resp
 def sft_split(source, tokenizer, eval_samples: int = 0, seed: int = 0, **kw) -> tuple[SFTDataset, list[dict]]:
     "(training `SFTDataset`, held-out eval examples): `eval_samples` rows of `source` held out with `seed`; `kw` go to `SFTDataset`."
     rows = load_records(source, kw.pop("split", "train"))
-    if eval_samples >= len(rows): raise ValueError(f"eval_samples={eval_samples} leaves no training rows: {rows.name} has {len(rows)} rows.")
+    if eval_samples >= len(rows): raise ValueError(f"{spell('eval_samples', eval_samples)} leaves no training rows: {rows.name} has {len(rows)} rows.")
     parts = rows.train_test_split(test_size=eval_samples, seed=seed) if eval_samples else {"train": rows, "test": None}
     train = SFTDataset(parts["train"], tokenizer, **kw)
     if not eval_samples or train.format == "text": return train, []

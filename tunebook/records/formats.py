@@ -5,6 +5,8 @@
 # %% ../../nbs/05a2_rec_formats.ipynb #282cde92
 from __future__ import annotations
 
+from ..core import spell
+
 import functools
 import json
 import warnings
@@ -74,7 +76,7 @@ def detect_format(columns: list[str], prompt_field: str = "prompt", response_fie
     if {"instruction", "output"} <= cols: return "alpaca"
     if "text" in cols: return "text"
     raise ValueError(f"cannot tell the data format from the columns {list(columns)}: use {prompt_field!r}/{response_field!r} "
-                     f"(or set prompt_field=/response_field=), {messages_field!r} (chat), 'conversations' (ShareGPT), "
+                     f"(or set {spell('prompt_field')} / {spell('response_field')}), {messages_field!r} (chat), 'conversations' (ShareGPT), "
                      "'instruction'/'output' (alpaca), 'text' (plain text), or 'chosen'/'rejected' (preference).")
 
 # %% ../../nbs/05a2_rec_formats.ipynb #ce4df46f

@@ -16,5 +16,5 @@ from .state import *
 from .outputs import *
 from .loop import *
 from .profile import *
-from .load import _flag_names, _prompt_messages   # used by the RL modules
+from .load import _prompt_messages   # used by the RL modules
 _all_ = ["TrainConfig"]

@@ -113,16 +113,13 @@ def split_data(cfg: TrainConfig, tokenizer, context: int | None = None, **sft_op
         held = make_task(task.name, cfg.eval_samples, seed=cfg.seed, split="eval")
         evals = [dict(messages=_prompt_messages(r[cfg.prompt_field], cfg.system_prompt), answer=r["answer"],
                       where=f"{task.name} eval row {i}") for i, r in enumerate(held)]
-        try: train = SFTDataset(train, tokenizer, **kw)
-        except ValueError as e: raise ValueError(_flag_names(str(e))) from None
+        train = SFTDataset(train, tokenizer, **kw)
         return DataSplit(train, evals, task.check, _held_out(held, tokenizer, train, kw) if len(held) else None)
     rows = load_records(cfg.data)
     n_eval = min(cfg.eval_samples, int(len(rows) * cfg.eval_fraction))
     # the held-out rows as the data layer renders them (system prompt, chat turns; rows with no answer are skipped)
-    try:
-        train, evals = sft_split(rows, tokenizer, eval_samples=n_eval, seed=cfg.seed, **kw)
-        held = _held_out(rows.train_test_split(test_size=n_eval, seed=cfg.seed)["test"], tokenizer, train, kw) if n_eval else None
-    except ValueError as e: raise ValueError(_flag_names(str(e))) from None
+    train, evals = sft_split(rows, tokenizer, eval_samples=n_eval, seed=cfg.seed, **kw)
+    held = _held_out(rows.train_test_split(test_size=n_eval, seed=cfg.seed)["test"], tokenizer, train, kw) if n_eval else None
     return DataSplit(train, evals, exact_check, held)
 
 def _held_out(rows, tokenizer, train: SFTDataset, kw: dict):
@@ -136,15 +133,6 @@ def _held_out(rows, tokenizer, train: SFTDataset, kw: dict):
 def load_data(cfg: TrainConfig, tokenizer, **sft_options):
     "(train SFTDataset, eval rows as dicts with messages + answer + where, checker(completion, answer) -> bool); eval rows never train."
     return tuple(split_data(cfg, tokenizer, **sft_options))[:3]
-
-_DATA_SPELLING = {"eval_samples=": "--eval-samples ", "use_chat_template=False": "--no-chat-template",
-                  "prompt_field=": "--prompt-field ", "response_field=": "--response-field ", "messages_field=": "--messages-field ",
-                  "max_seq_len=": "--max-seq-len "}
-
-def _flag_names(msg: str) -> str:
-    "The data layer's message with its argument names spelled as the options a trainer user sets."
-    for a, b in _DATA_SPELLING.items(): msg = msg.replace(a, b)
-    return msg
 
 def _prompt_messages(prompt, system=None):
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": str(prompt)}]
