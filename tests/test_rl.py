@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from tunebook.data import make_preference_pairs
 from tunebook.distill import ChunkedKLDiv, DistillConfig, DistillTrainer, kl_div_loss
 from tunebook.dpo import DPOConfig, DPOTrainer, PreferenceDataset, collate_pairs, dpo_loss
+from tunebook.kto import KTOConfig, KTOTrainer
 
 
 # ---------------------------------------------------------------- DPO
@@ -113,11 +114,15 @@ def _loss_and_grads(t):
     return loss.detach(), torch.autograd.grad(loss, params)
 
 
-@pytest.mark.parametrize("kind", ["dpo", "simpo", "distill"])
+@pytest.mark.parametrize("kind", ["dpo", "simpo", "orpo", "kto", "distill"])
 def test_chunked_logprobs_equal_full_logits(tiny, tmp_path, kind):
-    """--chunked-ce N: DPO's sequence log-probs and distillation's CE term, N sequence slices at a time, equal the full-logit step."""
+    """--chunked-ce N: the preference objectives' sequence log-probs and distillation's KL and CE terms, by N vocabulary
+    slices, equal the full-logit step (loss and gradients, 1e-5 relative)."""
     path, task = tiny
     def trainer(chunks, out):
+        if kind == "kto":
+            return KTOTrainer(KTOConfig(model=path, task=task, n_examples=16, n_eval_pairs=4, eval_samples=2, batch_size=6,
+                                        chunked_ce=chunks, output_dir=str(tmp_path / out))).setup()
         if kind == "distill":
             return DistillTrainer(DistillConfig(teacher=path, task=task, n_train=16, eval_samples=2, batch_size=4, ce_weight=0.5,
                                                 chunked_ce=chunks, output_dir=str(tmp_path / out))).setup()
