@@ -254,7 +254,9 @@ PER_COMMAND = {
         "kl_weight": lambda env: ("2", lambda t, d: abs(_distill_loss(t) - 2 * _distill_loss(d)) < 1e-4 * abs(_distill_loss(d))),
         "ce_weight": lambda env: ("1", lambda t, d: _distill_loss(t) > _distill_loss(d) + 1),
         "temperature": lambda env: ("2", lambda t, d: t.kl_fn.temperature == 2.0 and abs(_distill_loss(t) - _distill_loss(d)) > 1e-6),
-        "kl_chunks": lambda env: ("2", lambda t, d: t.kl_fn.num_chunks == 2 != d.kl_fn.num_chunks),
+        "kl_chunks": lambda env: ("2", "replaced by chunked_ce"),   # refused: --chunked-ce governs the KL's vocabulary slices
+        "chunked_ce": lambda env: ("3", lambda t, d: t.kl_fn.num_chunks == 3 and d.kl_fn.num_chunks == 0 and t.loss_fn.num_chunks == 3
+                                   and abs(_distill_loss(t) - _distill_loss(d)) <= 1e-4 * abs(_distill_loss(d))),
         "distill_on_prompt": lambda env: ("--no", lambda t, d: _labelled(t) < _labelled(d)),
         "method": lambda env: ("lora", lambda t, d: t.n_trainable < d.n_trainable),
         "lora_rank": lambda env: ("2", lambda t, d: {m.rank for m in _lora(t).values()} == {2}),   # the default 16 is wider than the student

@@ -15,7 +15,7 @@ from .lora import disable_adapters
 from .loss import chunked_logprobs, projection_weight
 
 # %% auto #0
-__all__ = ['token_logprobs', 'hidden_logprobs', 'sequence_logprobs', 'label_counts', 'frozen_copy', 'Reference']
+__all__ = ['token_logprobs', 'output_logits', 'hidden_logprobs', 'sequence_logprobs', 'label_counts', 'frozen_copy', 'Reference']
 
 # %% ../nbs/12_logprobs.ipynb #52a09362
 def token_logprobs(logits: torch.Tensor,  # (B, T, V) scores
@@ -26,6 +26,11 @@ def token_logprobs(logits: torch.Tensor,  # (B, T, V) scores
     return lp.view(labels.shape)
 
 # %% ../nbs/12_logprobs.ipynb #15496835
+def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    "`model`'s logits from its final hidden states: `lm_head`, then the soft-cap, as its own forward does (Gemma)."
+    logits, cap = model.lm_head(hidden), getattr(model, "final_softcap", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
 def hidden_logprobs(model,
                     hidden: torch.Tensor,  # (B, T, dim) the model's final hidden states (`return_hidden=True`)
                     labels: torch.Tensor,  # (B, T) next-token labels, -100 where nothing counts
@@ -34,9 +39,7 @@ def hidden_logprobs(model,
     "Log-probability of each label from `model`'s final hidden states, through its output projection and soft-cap."
     cap = getattr(model, "final_softcap", None) or None
     if num_chunks: return chunked_logprobs(hidden, projection_weight(model), labels, num_chunks, softcap=cap)
-    logits = model.lm_head(hidden)
-    if cap: logits = torch.tanh(logits / cap) * cap   # as the model's own forward caps them (Gemma)
-    return token_logprobs(logits, labels)
+    return token_logprobs(output_logits(model, hidden), labels)
 
 def sequence_logprobs(model, batch: dict,
                       num_chunks: int = 0,  # >0: by this many vocabulary slices (the run's chunked_ce); 0: full logits
