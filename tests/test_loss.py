@@ -1,4 +1,4 @@
-"""ChunkedCrossEntropy against full-logit F.cross_entropy: values, gradients, dtypes, edge cases, memory."""
+"""ChunkedCrossEntropy and chunked_logprobs against full-logit F.cross_entropy: values, gradients, dtypes, edge cases, memory."""
 import weakref
 
 import pytest
@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from tunebook.loss import ChunkedCrossEntropy, cross_entropy_loss, num_loss_tokens
+from tunebook.loss import ChunkedCrossEntropy, chunked_logprobs, cross_entropy_loss, num_loss_tokens, projection_weight
 
 FP32_TOL = 1e-6             # max abs, loss and both gradients
 BF16_LOSS_TOL, BF16_GRAD_TOL = 1e-3, 2e-2
@@ -127,7 +127,7 @@ def test_bad_input():
     with pytest.raises(ValueError, match="num_chunks must be an integer >= 1"): ChunkedCrossEntropy(0)
     with pytest.raises(ValueError, match="num_chunks"): ChunkedCrossEntropy(-3)
     with pytest.raises(ValueError, match="num_chunks"): ChunkedCrossEntropy(2.0)
-    with pytest.raises(ValueError, match="reduction"): ChunkedCrossEntropy(reduction="none")
+    with pytest.raises(ValueError, match="reduction"): ChunkedCrossEntropy(reduction="max")
     h, w, y = make_inputs()
     ce = ChunkedCrossEntropy()
     with pytest.raises(ValueError, match=r"output_weight \(500, 16\)"): ce(h, w[:, :16], y)
@@ -418,3 +418,99 @@ def test_autocast_mixed_dtypes_and_fp64():
     a = run(autocast_bf16(ChunkedCrossEntropy(4)), h64, w64, labels)
     b = run(lambda h, w, y: F.cross_entropy((h @ w.t()).flatten(0, 1), y.flatten()), h64, w64, labels)   # fp64 throughout
     assert a[0].dtype == torch.float64 and max((x - y).abs().max().item() for x, y in zip(a, b)) <= 1e-12
+
+
+# per-token log-probabilities (reduction="none"): what DPO, KTO and GRPO use, by the same vocabulary slices
+
+def logprob_reference(cap=None):
+    "Minus F.cross_entropy(reduction='none') on full logits (the product in the inputs' dtype, the softmax in fp32)."
+    def ref(h, w, y):
+        z = (h @ w.t()).float()
+        if cap is not None: z = cap * torch.tanh(z / cap)
+        return -F.cross_entropy(z.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="none").view(y.shape)
+    return ref
+
+
+def logprob_errors(hidden, weight, labels, fn, ref, relative=False):
+    """Max abs differences in values, d hidden, d weight, under a non-uniform per-token upstream gradient
+    (relative=True: each gradient's over the reference's largest entry)."""
+    up = torch.randn(labels.shape, generator=torch.Generator().manual_seed(7))
+    out = []
+    for f in (fn, ref):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        lp = f(h, w, labels)
+        (lp * up).sum().backward()
+        out.append((lp.detach(), h.grad, w.grad))
+    errs = [(a.float() - b.float()).abs().max().item() for a, b in zip(*out)]
+    return [errs[0]] + [e / b.abs().max().item() for e, b in zip(errs[1:], out[1][1:])] if relative else errs
+
+
+@pytest.mark.parametrize("num_chunks", [1, 3, 8])
+@pytest.mark.parametrize("cap", [None, 3.0])
+def test_token_logprobs_match_full_logits(num_chunks, cap):
+    "Values and both gradients within 1e-5 of full logits; targets on both sides of the 1024-column CPU slice edges."
+    hidden, weight, labels = make_inputs(T=37, V=2500)   # CPU slices 0:1024, 1024:2048, 2048:2500 (more with num_chunks=8)
+    if cap is not None: weight = weight * 8           # logits far past the cap
+    labels[1, :6] = torch.tensor([0, 1023, 1024, 2047, 2048, 2499])
+    errs = logprob_errors(hidden, weight, labels, lambda h, w, y: chunked_logprobs(h, w, y, num_chunks, softcap=cap),
+                          logprob_reference(cap))
+    assert max(errs) <= 1e-5, errs
+    lp = chunked_logprobs(hidden, weight, labels, num_chunks, softcap=cap)
+    assert lp.shape == labels.shape and lp.dtype == torch.float32
+    assert (lp[labels == -100] == 0).all() and (lp[labels != -100] < 0).all()
+
+
+def test_token_logprobs_can_fail():
+    "The check sees a wrong cap, and a backward that ignores the per-token gradient (same values, gradient of their sum)."
+    hidden, weight, labels = make_inputs(T=21, V=300)
+    assert logprob_errors(hidden, weight * 8, labels, lambda h, w, y: chunked_logprobs(h, w, y, 4), logprob_reference(3.0))[0] > 1e-2
+    def one_gradient(h, w, y):
+        v = chunked_logprobs(h, w, y, 4)
+        return v.detach() + (v.sum() - v.sum().detach())
+    errs = logprob_errors(hidden, weight, labels, one_gradient, logprob_reference())
+    assert errs[0] <= 1e-5 and min(errs[1:]) > 1e-2, errs
+
+
+def test_token_logprobs_bf16_and_autocast():
+    hidden, weight, labels = make_inputs(T=45)
+    errs = logprob_errors(hidden.bfloat16(), weight.bfloat16(), labels, lambda h, w, y: chunked_logprobs(h, w, y, 8),
+                          logprob_reference())
+    assert errs[0] <= BF16_LOSS_TOL and max(errs[1:]) <= BF16_GRAD_TOL, errs
+    errs = logprob_errors(hidden, weight, labels, autocast_bf16(lambda h, w, y: chunked_logprobs(h, w, y, 8)),
+                          autocast_bf16(logprob_reference()), relative=True)
+    assert errs[0] <= 1e-5 and max(errs[1:]) <= 2**-7, errs   # fp32 gradients of bf16 products: one bf16 step
+
+
+def test_token_logprobs_gradcheck_fp64():
+    h, w, y = make_inputs(B=2, T=5, D=4, V=7, dtype=torch.float64, n_ignored=2)
+    for cap in (None, 0.5):
+        assert torch.autograd.gradcheck(lambda h, w: chunked_logprobs(h, w * 4, y, 3, softcap=cap),
+                                        (h.clone().requires_grad_(), w.clone().requires_grad_()))
+
+
+def test_token_logprobs_sum_is_the_summed_loss():
+    "reduction='none' summed is reduction='sum' (and its gradient), to fp32 rounding."
+    hidden, weight, labels = make_inputs(T=33)
+    errs = errors(hidden, weight, labels, lambda h, w, y: -chunked_logprobs(h, w, y, 4).sum(),
+                  ref=ChunkedCrossEntropy(4, reduction="sum"))
+    assert max(errs) <= 1e-5, errs
+
+
+def test_projection_weight_refuses_an_active_lm_head_adapter():
+    import warnings
+    from tunebook.lora import apply_lora, disable_adapters, merge_lora
+    from tunebook.model import build_model, pico
+    torch.manual_seed(0)
+    m = build_model(pico(vocab_size=64))
+    assert projection_weight(m) is m.output_weight
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        apply_lora(m, rank=2, targets=("lm_head",))
+    with pytest.raises(ValueError, match="remove lm_head from lora_targets, or set chunked_ce=0"): projection_weight(m)
+    nn.init.normal_(m.lm_head.lora_B.weight)
+    h = torch.randn(2, 3, m.config.dim)
+    with disable_adapters(m): assert torch.allclose(h @ projection_weight(m).t(), m.lm_head(h), atol=1e-6)
+    merge_lora(m, replace=False)
+    assert torch.allclose(h @ projection_weight(m).t(), m.lm_head(h), atol=1e-5)
+    m.lm_head = nn.Linear(m.config.dim, 64)
+    with pytest.raises(ValueError, match="has a bias"): projection_weight(m)

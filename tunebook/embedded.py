@@ -18,7 +18,7 @@ from .data import TASKS, PackedDataset, SFTDataset, check_answer, make_loader, m
 from .generate import generate
 from .model import ModelConfig, Transformer, build_model
 from .tokenizer import Tokenizer, load_tokenizer, train_tokenizer
-from .train import Objective, RunData, TrainConfig, Trainer, lm_loss_sum, to_device
+from .train import Objective, RunData, TrainConfig, Trainer, chunked_loss_fn, lm_loss_sum, to_device
 from types import SimpleNamespace
 
 # %% auto #0
@@ -78,6 +78,7 @@ class Pretrain(Objective):
     def prepare_data(self, tr) -> RunData:
         self._trains = [p.requires_grad for p in tr.model.parameters()]   # what the caller left trainable (a LoRA model...)
         return RunData(self.loader.dataset, self.loader.dataset, max_seq_len=tr.config.max_seq_len, max_new_tokens=tr.config.max_new_tokens)
+    def make_loss_fn(self, tr): return chunked_loss_fn(tr)
     def prepare_model(self, tr):   # after the method: train exactly those
         for p, on in zip(tr.model.parameters(), self._trains): p.requires_grad_(on)
     def n_batches(self, tr): return None   # an endless source

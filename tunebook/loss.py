@@ -12,7 +12,8 @@ from torch import nn
 from .core import no_autocast
 
 # %% auto #0
-__all__ = ['CPU_VOCAB_SLICE', 'num_loss_tokens', 'cross_entropy_loss', 'ChunkedCrossEntropy']
+__all__ = ['CPU_VOCAB_SLICE', 'num_loss_tokens', 'cross_entropy_loss', 'ChunkedCrossEntropy', 'chunked_logprobs',
+           'projection_weight']
 
 # %% ../nbs/07_loss.ipynb #e0cdf040
 def num_loss_tokens(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -58,8 +59,15 @@ def _block(buf: torch.Tensor, rows: int, n: int, start: int = 0) -> torch.Tensor
     "Columns start..start+n of a flat buffer laid out slice after slice, as a contiguous (rows, n) block (start=0: one buffer reused by every slice)."
     return buf[rows * start: rows * (start + n)].view(rows, n)
 
+def _slice_logits(hs, w, v0, v1, zbuf, fbuf, softcap=None, start=0):
+    "Logits of vocabulary slice v0:v1, (N, v1-v0): the product into `zbuf` (at `start`), its fp32 copy in `fbuf`, soft-capped in place."
+    z = torch.mm(hs, w[v0:v1].t(), out=_block(zbuf, hs.shape[0], v1 - v0, start))
+    if fbuf is not None: z = _block(fbuf, hs.shape[0], v1 - v0).copy_(z)   # upcast: the softmax statistics are fp32
+    if softcap is not None: z.div_(softcap).tanh_().mul_(softcap)
+    return z
+
 class _ChunkedLinearCE(torch.autograd.Function):
-    "Sum (or mean) of cross-entropy over `hidden @ weight.T`, both passes by slices of the vocabulary (logsumexp merged across slices)."
+    "Cross-entropy over `hidden @ weight.T`, summed / normalizer (normalizer None: per token), both passes by vocabulary slices."
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, num_chunks, ignore_index, normalizer, softcap=None):
@@ -81,20 +89,18 @@ class _ChunkedLinearCE(torch.autograd.Function):
         fbuf = torch.empty(N * width, dtype=acc, device=dev) if cdt != acc or keep_logits else None
         with no_autocast(dev.type):
             hs, w = hidden.reshape(-1, hidden.shape[-1]).to(cdt), weight.to(cdt)   # (N, D), (V, D): cast once per call
-            for v0, v1 in slices:
-                out = _block(zbuf, N, v1 - v0, v0 if keep_logits else 0)   # kept: each slice in its own place
-                z = torch.mm(hs, w[v0:v1].t(), out=out)          # (N, v): every token's logits for this slice
-                if fbuf is not None: z = _block(fbuf, N, v1 - v0).copy_(z)     # upcast: the softmax statistics are fp32
-                if softcap is not None: z.div_(softcap).tanh_().mul_(softcap)   # soft-capped in place
+            for v0, v1 in slices:                               # (N, v): every token's logits for this slice
+                z = _slice_logits(hs, w, v0, v1, zbuf, fbuf, softcap, v0 if keep_logits else 0)   # kept: each slice in its own place
                 inside = (y >= v0) & (y < v1)
                 z_y = torch.where(inside, z.gather(-1, (y - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1)).squeeze(-1), z_y)
                 m = z.amax(-1, keepdim=True)
                 part = z.sub_(m).exp_().sum(-1).log_().add_(m.squeeze(-1))      # this slice's fp32 logsumexp, in place
                 lse = part if lse is None else torch.logaddexp(lse, part)       # merged: log(e^a + e^b)
-        total = torch.where(keep, lse - z_y, 0.0).double().sum()   # per-token losses added in fp64
+        per = torch.where(keep, lse - z_y, 0.0)                  # (N,) each token's loss, 0 where ignored
         ctx.save_for_backward(hidden, weight, labels, normalizer, lse, *([zbuf] if keep_logits else []))
         ctx.slices, ctx.ignore_index, ctx.softcap, ctx.cdt = slices, ignore_index, softcap, cdt
-        return (total / normalizer).to(acc)
+        if normalizer is None: return per.view(labels.shape)   # reduction="none"
+        return (per.double().sum() / normalizer).to(acc)        # per-token losses added in fp64
 
     @staticmethod
     def backward(ctx, grad):
@@ -104,7 +110,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
         acc = torch.promote_types(cdt, torch.float32)
         y = labels.reshape(-1)
         keep = y != ctx.ignore_index
-        coef = (keep.to(acc) * (grad.double() / normalizer).to(acc)).unsqueeze(-1)   # (N, 1): 0 on ignored tokens
+        g = grad.reshape(-1).to(acc) if normalizer is None else (grad.double() / normalizer).to(acc)   # per token, or one scalar
+        coef = (keep.to(acc) * g).unsqueeze(-1)                  # (N, 1): 0 on ignored tokens
         gh = torch.zeros((y.numel(), D), dtype=acc, device=hidden.device) if need_h else None   # dh, summed over slices
         grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if need_w else None
         N, dev, width = y.numel(), hidden.device, max(b - a for a, b in ctx.slices)
@@ -144,14 +151,14 @@ class ChunkedCrossEntropy(nn.Module):
     def __init__(self,
                  num_chunks: int = 8, # at least this many vocabulary slices, at most 1/num_chunks of the logits alive; 1: all kept, none recomputed
                  ignore_index: int = -100, # label value that contributes nothing (prompt, padding)
-                 reduction: str = "mean", # "mean" over non-ignored tokens, or "sum" for gradient accumulation
+                 reduction: str = "mean", # "mean" over non-ignored tokens, "sum" for gradient accumulation, "none": (B, T) per token
                  softcap: float | None = None, # logits = softcap * tanh(logits / softcap) first (the model's `final_softcap`)
                 ):
         super().__init__()
         if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
             raise ValueError(f"num_chunks must be an integer >= 1, got {num_chunks!r}.")
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}.")
+        if reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}.")
         if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
             raise ValueError(f"softcap must be a positive number or None, got {softcap!r}; pass the model's final_softcap.")
         self.num_chunks, self.ignore_index, self.reduction = num_chunks, ignore_index, reduction
@@ -161,7 +168,7 @@ class ChunkedCrossEntropy(nn.Module):
                 hidden: torch.Tensor, # (B, T, D) final hidden states (after the last norm)
                 output_weight: torch.Tensor, # (V, D) the `lm_head` weight (or tied embedding)
                 labels: torch.Tensor, # (B, T) next-token ids, already shifted; `ignore_index` where masked
-               ) -> torch.Tensor: # 0-dim loss, fp32 (fp64 for fp64 inputs)
+               ) -> torch.Tensor: # 0-dim loss (reduction "none": (B, T), 0 where ignored), fp32 (fp64 for fp64 inputs)
         if hidden.dim() != 3 or output_weight.dim() != 2 or hidden.shape[-1] != output_weight.shape[-1] \
                 or labels.shape != hidden.shape[:2]:
             raise ValueError(f"expected hidden (B, T, D), output_weight (V, D), labels (B, T); got hidden "
@@ -171,7 +178,8 @@ class ChunkedCrossEntropy(nn.Module):
                             "(or run under torch.autocast, which casts both).")
         if labels.is_floating_point(): raise TypeError(f"labels must be integer token ids, got {labels.dtype}.")
         labels = labels.long()
-        if self.reduction == "sum": normalizer = torch.ones((), dtype=torch.float64, device=hidden.device)
+        if self.reduction == "none": normalizer = None
+        elif self.reduction == "sum": normalizer = torch.ones((), dtype=torch.float64, device=hidden.device)
         else: normalizer = num_loss_tokens(labels, self.ignore_index).clamp(min=1).double()
         return _ChunkedLinearCE.apply(hidden, output_weight, labels, self.num_chunks, self.ignore_index, normalizer,
                                       self.softcap)
@@ -179,3 +187,27 @@ class ChunkedCrossEntropy(nn.Module):
     def extra_repr(self):
         cap = f", softcap={self.softcap}" if self.softcap is not None else ""
         return f"num_chunks={self.num_chunks}, ignore_index={self.ignore_index}, reduction={self.reduction!r}{cap}"
+
+# %% ../nbs/07_loss.ipynb #f09ac629
+def chunked_logprobs(hidden: torch.Tensor, # (B, T, D) final hidden states (after the last norm)
+                     weight: torch.Tensor, # (V, D) output weight: `projection_weight(model)`
+                     labels: torch.Tensor, # (B, T) next-token ids, already shifted; `ignore_index` where nothing counts
+                     num_chunks: int = 8, # vocabulary slices, as in `ChunkedCrossEntropy`; 1 keeps the logits
+                     softcap: float | None = None, # the model's `final_softcap`
+                     ignore_index: int = -100,
+                    ) -> torch.Tensor: # (B, T) fp32 (fp64 for fp64 inputs), 0 where ignored
+    "Log-probability of each label under `hidden @ weight.T`, computed by vocabulary slices."
+    return -ChunkedCrossEntropy(num_chunks, ignore_index, "none", softcap)(hidden, weight, labels)
+
+# %% ../nbs/07_loss.ipynb #f13f3dc7
+def projection_weight(model: nn.Module) -> torch.Tensor:
+    "`model.lm_head`'s (V, D) weight for a vocabulary-sliced loss; refuses a head that computes more than `h @ weight.T`."
+    head, fix = model.lm_head, "set chunked_ce=0 (full logits through model.lm_head)"
+    if getattr(head, "lora_A", None) is not None:                       # a LoRALinear
+        if head.merged: return head.__dict__["_unmerged"] if head.disabled else head.weight
+        if not head.disabled:
+            raise ValueError("model.lm_head carries a LoRA adapter, which a vocabulary-sliced loss (chunked_ce > 0) would "
+                             f"leave out: remove lm_head from lora_targets, or {fix}.")
+    if getattr(head, "quantized", False): raise ValueError(f"model.lm_head is quantized: keep it in full precision, or {fix}.")
+    if getattr(head, "bias", None) is not None: raise ValueError(f"model.lm_head has a bias, which a vocabulary-sliced loss leaves out: {fix}.")
+    return head.weight

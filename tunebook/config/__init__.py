@@ -219,7 +219,7 @@ class OptimPart(BatchPart, StepPart):
 @dataclass
 class MemoryPart(Part):
     "Memory techniques and processes."
-    chunked_ce: int = 0                  # >0: chunked cross-entropy with this many chunks
+    chunked_ce: int = 0                  # >0: the output projection and its loss (cross-entropy, log-probs, KL) by vocabulary slices, never full logits; 0: off
     activation_checkpointing: bool = False  # recompute each block's activations in backward instead of keeping them
     activation_offloading: bool = False  # keep saved activations in host memory until backward
     optimizer_in_backward: bool = False  # step each parameter inside backward and free its gradient at once

@@ -27,7 +27,7 @@ class EstimateConfig(Part):
     max_seq_len: int = 2048              # tokens per row
     grad_accum_steps: int = 1            # micro-batches accumulated into each optimizer step
     dtype: str = "bf16"                  # bf16 or fp32 (weights, activations and AdamW state)
-    chunked_ce: int = 0                  # >0: chunked cross-entropy with this many chunks
+    chunked_ce: int = 0                  # >0: the output projection and its loss (cross-entropy, log-probs, KL) by vocabulary slices, never full logits; 0: off
     activation_checkpointing: bool = False  # recompute each block's activations in backward instead of keeping them
     activation_offloading: bool = False  # keep saved activations in host memory until backward
     optimizer_in_backward: bool = False  # step each parameter inside backward and free its gradient at once

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from ..data import IGNORE_INDEX, check_answer, get_task
-from ..dpo import token_logprobs
+from ..logprobs import hidden_logprobs
 from ..generate import generate
 from ..train import encode_prompt, stop_ids
 
@@ -86,23 +85,12 @@ def tree_mask(segments: torch.Tensor) -> torch.Tensor:
     m = (i[None, :] <= i[:, None]) & ((k == q) | (k == 0)) & (k >= 0)
     return (m | torch.eye(T, dtype=torch.bool, device=segments.device))[:, None]  # padding rows see themselves
 
-def _project(lm_head, cap, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    "Log-probs of `labels` under lm_head(h), soft-capped as the model's forward caps them."
-    logits = lm_head(h)
-    if cap: logits = torch.tanh(logits / cap) * cap
-    return token_logprobs(logits, labels)
-
 def group_logprobs(model, b: dict,
-                   num_chunks: int = 0,  # >0: project this many slices of the completion positions one at a time (recomputed in backward)
+                   num_chunks: int = 0,  # >0: by this many vocabulary slices (the run's chunked_ce); 0: full logits
                   ) -> torch.Tensor:
     "(P*G, Tc) log-prob of each completion token (0 past its end) from one shared-prefix forward of `pack_groups` tensors."
     h = model(b["tokens"], positions=b["positions"], mask=tree_mask(b["segments"]), return_hidden=True)  # (P, T, dim)
-    hs, cap = h.flatten(0, 1)[b["index"]], getattr(model, "final_softcap", None)                            # (P*G, Tc, dim)
-    if not num_chunks: return _project(model.lm_head, cap, hs, b["labels"])
-    parts = [checkpoint(_project, model.lm_head, cap, x, l, use_reentrant=False) if torch.is_grad_enabled()
-             else _project(model.lm_head, cap, x, l)
-             for x, l in zip(hs.tensor_split(num_chunks, 1), b["labels"].tensor_split(num_chunks, 1)) if x.shape[1]]
-    return torch.cat(parts, 1)
+    return hidden_logprobs(model, h.flatten(0, 1)[b["index"]], b["labels"], num_chunks)                 # (P*G, Tc)
 
 # %% ../../nbs/12ba_grpo_rollout.ipynb #89e6baa7
 def rollout_tensors(ro: dict, device, keys=PACKED_KEYS) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from ..data import IGNORE_INDEX, collate_fn
 from ..data import encode_prompt as data_encode_prompt
 from ..generate import generate
+from ..loss import projection_weight
 
 # %% auto #0
 __all__ = ['encode_prompt', 'stop_ids', 'evaluate_accuracy', 'to_device', 'lm_loss_sum', 'held_out_loss']
@@ -47,7 +48,7 @@ def lm_loss_sum(model, batch: dict, loss_fn=None) -> torch.Tensor:
     "Summed cross-entropy of `batch` over its labelled tokens (fp32): through `loss_fn` (chunked, owns the projection) when given."
     kw = {k: batch[k] for k in ("attn_mask", "positions", "doc_ids") if k in batch}
     if loss_fn is not None:
-        return loss_fn(model(batch["tokens"], return_hidden=True, **kw), model.output_weight, batch["labels"])
+        return loss_fn(model(batch["tokens"], return_hidden=True, **kw), projection_weight(model), batch["labels"])   # refuses an adapted head
     logits = model(batch["tokens"], **kw)
     return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 

@@ -11,12 +11,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..loss import ChunkedCrossEntropy
 from ..data import IGNORE_INDEX, collate_fn, encode_conversation, fit_max_new_tokens, pack, shift_labels
 from .evaluate import evaluate_accuracy, held_out_loss, lm_loss_sum, to_device
 from .load import exact_check, load_model_and_tokenizer, split_data
 
 # %% auto #0
-__all__ = ['RunData', 'Objective', 'SFT', 'ObjectiveSpec']
+__all__ = ['RunData', 'Objective', 'chunked_loss_fn', 'SFT', 'ObjectiveSpec']
 
 # %% ../../nbs/11e_train_objective.ipynb #dd69d433
 @dataclass
@@ -48,6 +49,10 @@ class Objective:
     def prepare_data(self, tr) -> RunData:
         "The training rows and the held-out data; tr.model, tr.tokenizer, tr.config and what the caller gave are set."
         raise NotImplementedError(f"{type(self).__name__}.prepare_data")
+
+    def make_loss_fn(self, tr):
+        "The loss object the run's steps call through `tr.loss_fn` (None: the objective computes its loss itself)."
+        return None
 
     def prepare_model(self, tr) -> None:
         "After the method (LoRA...) and memory techniques, before sharding and the optimizer: a reference, a teacher."
@@ -105,6 +110,11 @@ class Objective:
     def __repr__(self): return f"{type(self).__name__}()"
 
 # %% ../../nbs/11e_train_objective.ipynb #d31c8dfe
+def chunked_loss_fn(tr) -> ChunkedCrossEntropy | None:
+    "With chunked_ce > 0: the chunked cross-entropy, owning the output projection (a final soft-cap applied as the model's forward does)."
+    if not tr.config.chunked_ce: return None
+    return ChunkedCrossEntropy(tr.config.chunked_ce, reduction="sum", softcap=getattr(tr.model, "final_softcap", None) or None)
+
 class SFT(Objective):
     "Supervised fine-tuning: cross-entropy on the labelled (response) tokens; eval by exact match and held-out loss."
     name, lead = "sft", "eval_accuracy"
@@ -128,6 +138,8 @@ class SFT(Objective):
         return RunData(train, pack(train, max_seq_len) if c.packing else train, evals, check or exact_check, held, max_seq_len,
                        max_new_tokens, dict(max_seq_len=max_seq_len, max_seq_len_report=getattr(train, "length_report", "as given"),
                                             max_new_tokens=max_new_tokens, max_new_tokens_report=why))
+
+    def make_loss_fn(self, tr): return chunked_loss_fn(tr)
 
     def batch(self, tr, g):
         batch = collate_fn(self.rows_of(tr, g), pad_id=getattr(tr.rows, "pad_id", 0))

@@ -16,7 +16,6 @@ from ..config import TUNED, TrainConfig
 from ..core import count_params, get_device, seed_everything
 from ..precision import resolve_precision
 from ..loggers import make_loggers
-from ..loss import ChunkedCrossEntropy
 from ..optim import adamw, decay_groups, fused_available, get_schedule, optimizer_in_backward
 from ..rundir import RunLock, data_fingerprint
 from .load import model_width
@@ -125,11 +124,9 @@ class Trainer:
                    dropout=c.lora_dropout, quantize_base=c.method == "qlora")
 
     def _apply_memory_techniques(self):
-        "The techniques every objective gets from the loop; `chunked_ce` only where the objective declares what it does (else refused)."
+        "The techniques every objective gets from the loop; the objective builds its own loss object, if its steps use one."
         c = self.config
-        # a final logit soft-cap (Gemma) is applied by the chunked loss as the model's own forward applies it
-        self.loss_fn = ChunkedCrossEntropy(c.chunked_ce, reduction="sum", softcap=getattr(self.model, "final_softcap", None) or None) \
-            if c.chunked_ce else None
+        self.loss_fn = self.objective.make_loss_fn(self)   # SFT: the chunked cross-entropy when chunked_ce > 0; DPO...: none
         if c.activation_checkpointing:
             from tunebook.memory import apply_activation_checkpointing
             apply_activation_checkpointing(self.model)
