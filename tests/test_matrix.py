@@ -65,6 +65,14 @@ def _check_honoured(tr, technique, before):
 OBJECTIVE_NAMES = ["sft", "distill", "dpo", "ipo", "simpo", "orpo", "kto", "grpo"]
 
 
+def test_every_objective_is_in_the_matrix():
+    """Each entry of the table of objectives has a row here (its trainer and config), so a new objective cannot skip the matrix."""
+    from tunebook.objectives import OBJECTIVES
+    rows = {(cls, type(cfg)) for cls, cfg in _objectives("model", "add").values()}
+    missing = [s.name for s in OBJECTIVES.values() if (s.trainer, s.config) not in rows]
+    assert not missing, f"add {missing} to _objectives"
+
+
 @pytest.mark.parametrize("technique", list(TECHNIQUES))
 @pytest.mark.parametrize("objective", OBJECTIVE_NAMES)
 def test_one_process(tiny, tmp_path, objective, technique):
