@@ -248,13 +248,12 @@ def test_kto_on_a_data_file_raises_the_reward_gap(policy, tmp_path):
 def test_preference_batches_built_ahead_give_the_same_steps(tiny, tmp_path, kind):
     """~4 s. DPO's and KTO's batches depend on the step alone, so they may be built a step ahead on a thread (on by default
     on CUDA): forced on here, the losses equal a plain run's, accumulation included."""
-    from tunebook.train.step import _pure_batches
     path, task = tiny
     def run(prefetch, sub):
         kw = dict(model=path, task=task, n_eval_pairs=4, eval_samples=2, max_steps=3, grad_accum_steps=2, output_dir=str(tmp_path / sub))
         t = (DPOTrainer(DPOConfig(n_pairs=24, batch_size=4, **kw)) if kind == "dpo" else
              KTOTrainer(KTOConfig(n_examples=24, batch_size=4, **kw))).setup()
-        assert _pure_batches(t.objective)
+        assert t.objective.pure_batches
         t.prefetch = prefetch
         out = [t.train_step()["loss"] for _ in range(3)]
         t.stop_prefetch()
