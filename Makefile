@@ -8,7 +8,7 @@ FLAGS  ?= slow
 BENCHVENV ?= .venv-bench
 BENCHPY   := $(BENCHVENV)/bin/python
 
-.PHONY: install bench-env demo test check notebooks pytest bench readme clean
+.PHONY: install bench-env demo test check notebooks pytest bench readme clean book
 
 install: $(VENV)/.installed
 
@@ -32,10 +32,16 @@ $(BENCHVENV)/.installed: settings.ini setup.py
 demo: install
 	$(BIN)/tunebook finetune
 
-# check: notebooks clean and in sync with tunebook/, README made from index.ipynb, no upward import between layers
+# check: notebooks clean and in sync with tunebook/, README made from index.ipynb, no upward import or import cycle,
+# every notebook's outputs made from its current cells (`make book`)
 check: install
 	$(PY) tools/check_sync.py
 	$(PY) tools/check_layers.py
+	$(PY) tools/book.py --check
+
+# book: run every notebook top to bottom (or only NB=nbs/NAME.ipynb ...) and keep its outputs, as a reader sees them
+book: install
+	OMP_NUM_THREADS=1 $(PY) tools/book.py $(NB)
 
 notebooks: install
 	OMP_NUM_THREADS=1 $(BIN)/nbdev_test --path nbs --flags "$(FLAGS)" --n_workers 2 --timing
