@@ -33,10 +33,11 @@ demo: install
 	$(BIN)/tunebook finetune
 
 # check: notebooks clean and in sync with tunebook/, README made from index.ipynb, no upward import or import cycle,
-# every notebook's outputs made from its current cells (`make book`)
+# no new import of what a later notebook defines (reading order), every notebook's outputs made from its current cells (`make book`)
 check: install
 	$(PY) tools/check_sync.py
 	$(PY) tools/check_layers.py
+	$(PY) tools/check_order.py
 	$(PY) tools/book.py --check
 
 # book: run every notebook top to bottom (or only NB=nbs/NAME.ipynb ...) and keep its outputs, as a reader sees them

@@ -16,7 +16,7 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,9 +87,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("paths", nargs="*", help="notebooks (default: all of nbs/ and index.ipynb)")
     p.add_argument("--check", action="store_true", help="fail on missing or stale outputs instead of running")
-    p.add_argument("--workers", type=int, default=2, help="notebooks run at once (one torch thread each)")
+    p.add_argument("--workers", type=int, default=2, help="notebooks run at once, each in its own process (one torch thread each)")
+    p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)   # run the one notebook given in this process
     a = p.parse_args(argv)
     paths = notebooks(a.paths)
+    if a.one:
+        _, err = run_notebook(paths[0])
+        if err: print(err, file=sys.stderr)
+        return 1 if err else 0
     if a.check:
         bad = {q: s for q in paths if (s := stale_cells(q))}
         for q, s in bad.items():
@@ -99,10 +104,13 @@ def main(argv=None) -> int:
         if bad: return 1
         print(f"book: the outputs of all {len(paths)} notebooks were made from their current cells")
         return 0
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    def one(path):   # a process per notebook: IPython's shell takes over the process's __main__ and state
+        r = subprocess.run([sys.executable, __file__, "--one", str(path)], cwd=ROOT, env=env, capture_output=True, text=True)
+        return path, (r.stderr[-5000:] or f"exit {r.returncode}") if r.returncode else None
     failed = []
-    with ProcessPoolExecutor(max(1, a.workers)) as ex:
-        for path, err in ex.map(run_notebook, paths):
+    with ThreadPoolExecutor(max(1, a.workers)) as ex:
+        for path, err in ex.map(one, paths):
             print(f"{'FAILED' if err else 'ran'} {path}", flush=True)
             if err: failed.append(path); print(err, file=sys.stderr)
     return 1 if failed else 0
