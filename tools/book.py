@@ -67,7 +67,7 @@ def run_notebook(path: Path) -> tuple[str, str | None]:
             skipped.add(cell.get("id")); return True
         return False
 
-    shell = CaptureShell(path)
+    shell = CaptureShell(path, mpl_format="png")   # figures at 100 dpi: the book stays small
     try:
         with working_directory(path.parent): shell.run_all(ran, exc_stop=True, preproc=no_eval)
     except Exception:
