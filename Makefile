@@ -8,7 +8,7 @@ FLAGS  ?= slow
 BENCHVENV ?= .venv-bench
 BENCHPY   := $(BENCHVENV)/bin/python
 
-.PHONY: install bench-env demo test check notebooks pytest bench readme clean book
+.PHONY: install bench-env demo test check notebooks pytest bench readme clean book hubcache
 
 install: $(VENV)/.installed
 
@@ -41,10 +41,14 @@ check: install
 	$(PY) tools/book.py --check
 
 # book: run every notebook top to bottom (or only NB=nbs/NAME.ipynb ...) and keep its outputs, as a reader sees them
-book: install
+book: install hubcache
 	OMP_NUM_THREADS=1 $(PY) tools/book.py $(NB)
 
-notebooks: install
+# hubcache: the chapters load SmolLM2-135M-Instruct by its hub name; offline, the hub cache gets it from the registry's copy
+hubcache: install
+	$(PY) tools/hub_cache.py
+
+notebooks: install hubcache
 	OMP_NUM_THREADS=1 $(BIN)/nbdev_test --path nbs --flags "$(FLAGS)" --n_workers 2 --timing
 	$(BIN)/nbdev_test --path index.ipynb --flags "$(FLAGS)" --timing
 
