@@ -16,7 +16,7 @@ import torch
 
 # %% auto #0
 __all__ = ['EMBEDDED_DIR', 'get_device', 'cpu_cores', 'get_dtype', 'dtype_name', 'no_autocast', 'seed_everything', 'count_params',
-           'human_bytes', 'human_count', 'patch', 'check_dir', 'check_file', 'read_json', 'spell']
+           'human_bytes', 'human_count', 'patch', 'check_dir', 'check_file', 'read_json', 'flag', 'spell']
 
 # %% ../nbs/00_core.ipynb #4d675502
 def get_device(device: str | torch.device | None = "auto") -> torch.device:
@@ -124,11 +124,14 @@ def read_json(folder: Path, name: str, what: str) -> dict:
 # %% ../nbs/00_core.ipynb #3f0c88a4
 _NEGATED = {"use_chat_template": "--no-chat-template"}   # a keyword whose False is its own flag
 
+def flag(name: str) -> str:
+    "The command-line flag of option `name`: `max_seq_len` -> `--max-seq-len`."
+    return "--" + name.replace("_", "-")
+
 def spell(name: str, value=None) -> str:
     "Option `name` (set to `value`) as a Python keyword and as a flag: `max_seq_len=64 (--max-seq-len 64)`."
     if value is False and name in _NEGATED: return f"{name}=False ({_NEGATED[name]})"
-    flag = "--" + name.replace("_", "-")
-    return f"{name}= ({flag})" if value is None else f"{name}={value} ({flag} {value})"
+    return f"{name}= ({flag(name)})" if value is None else f"{name}={value} ({flag(name)} {value})"
 
 # %% ../nbs/00_core.ipynb #8f794549
 EMBEDDED_DIR = Path(str(importlib.resources.files("tunebook") / "assets" / "embedded"))   # the shipped Hugging Face folder of the embedded model

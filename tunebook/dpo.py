@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset as TorchDataset
 
 from .config import AdapterPart, MemoryPart, ModelPart, OptimPart, Part, RunPart, SourcePart
-from .data import collate_fn, encode_conversation, fit_max_new_tokens, fit_max_seq_len, get_task, load_records, make_preference_pairs, shift_labels
+from .data import collate_fn, encode_conversation, fit_max_seq_len, get_task, load_records, make_preference_pairs, shift_labels
 from .logprobs import Reference, label_counts, sequence_logprobs   # shared with GRPO and KTO
 from .preference import ipo_loss, orpo_loss, simpo_loss
 from .records import preference_example, with_system
-from .train import Objective, ObjectiveSpec, RunData, Trainer, evaluate_accuracy, exact_check, to_device
+from .train import Objective, ObjectiveSpec, RunData, Trainer, evaluate_accuracy, exact_check, run_data, to_device
 
 # %% auto #0
 __all__ = ['LOSSES', 'REFERENCE_FREE', 'BETAS', 'DPO_SPEC', 'encode_pair', 'PreferenceDataset', 'collate_pairs', 'dpo_loss',
@@ -162,12 +162,7 @@ class DPO(Objective):
             self.train_pairs, held, loaded, task_check = load_pairs(tr.config, tr.tokenizer, getattr(tr.model.config, "max_seq_len", None))
             self.eval_pairs = held if self.eval_pairs is None else self.eval_pairs
             evals, check = loaded if evals is None else evals, check or task_check
-        pairs, evals = self.train_pairs, evals or []
-        max_seq_len = getattr(pairs, "max_seq_len", None) or tr.config.max_seq_len   # the data's choice (None: from the pairs)
-        max_new_tokens, why = fit_max_new_tokens(tr.tokenizer, evals, pairs.use_chat_template, tr.config.max_new_tokens)
-        return RunData(pairs, pairs, evals, check or exact_check, None, max_seq_len, max_new_tokens,
-                       dict(max_seq_len=max_seq_len, max_seq_len_report=getattr(pairs, "length_report", "as given"),
-                            max_new_tokens=max_new_tokens, max_new_tokens_report=why))
+        return run_data(tr, self.train_pairs, evals, check)   # the pairs' lengths as the data chose them
 
     def prepare_model(self, tr):
         c = tr.config

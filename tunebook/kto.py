@@ -14,11 +14,11 @@ import torch.distributed as dist
 
 from .batches import collate_fn
 from .config import AdapterPart, MemoryPart, ModelPart, OptimPart, Part, RunPart, SourcePart
-from .data import fit_max_new_tokens, fit_max_seq_len, get_task, load_records, make_preference_pairs
+from .data import fit_max_seq_len, get_task, load_records, make_preference_pairs
 from .dpo import PreferenceDataset, preference_metrics
 from .logprobs import Reference, sequence_logprobs
 from .preference import encode_answer, kto_examples, kto_loss, kto_reference_point, unpair
-from .train import Objective, ObjectiveSpec, RunData, Trainer, evaluate_accuracy, exact_check, to_device
+from .train import Objective, ObjectiveSpec, Trainer, evaluate_accuracy, run_data, to_device
 
 # %% auto #0
 __all__ = ['KTO_SPEC', 'kto_rows', 'KTODataset', 'kto_batch', 'global_reference_point', 'KTO', 'KTOPart', 'KTOConfig',
@@ -99,12 +99,7 @@ class KTO(Objective):
             kw.update(completion_field=c.completion_field, label_field=c.label_field)
             self.train_rows, self.held = KTODataset(split["train"], tr.tokenizer, **kw), KTODataset(split["test"], tr.tokenizer, **kw)
             evals = [dict(messages=m, answer=a, where=w) for m, a, d, w in self.held.examples if d][:c.eval_samples]
-        evals, rows = (evals if tr.eval_data is None else tr.eval_data) or [], self.train_rows
-        max_seq_len = getattr(rows, "max_seq_len", None) or c.max_seq_len   # the data's choice (None: from the rows)
-        max_new_tokens, why = fit_max_new_tokens(tr.tokenizer, evals, rows.use_chat_template, c.max_new_tokens)
-        return RunData(rows, rows, evals, check or exact_check, None, max_seq_len, max_new_tokens,
-                       dict(max_seq_len=max_seq_len, max_seq_len_report=getattr(rows, "length_report", "as given"),
-                            max_new_tokens=max_new_tokens, max_new_tokens_report=why))
+        return run_data(tr, self.train_rows, evals if tr.eval_data is None else tr.eval_data, check)
 
     def prepare_model(self, tr):
         self.reference = Reference(tr.model, "full" if tr.config.method == "full" else "lora")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .files import config_yaml, field_help, part_fields, read_yaml, write_yaml
-from ..core import get_device
+from ..core import flag, get_device
 from ..precision import PRECISIONS, resolve_precision
 from ..loggers import LOGGERS
 from ..optim import SCHEDULES, in_backward_problems
@@ -49,7 +49,7 @@ class Part:
 
     def opt(self, k: str) -> str:
         "`name=value (--flag)`: how an error names an option for both Python and CLI users."
-        return f"{k}={getattr(self, k)!r} (--{k.replace('_', '-')})"
+        return f"{k}={getattr(self, k)!r} ({flag(k)})"
 
     def with_defaults(self, width: int | None = None) -> tuple["Part", dict]:
         "This config with each TUNED option left None set from its recipe for a model `width` wide, and what was chosen and why."

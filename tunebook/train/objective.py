@@ -17,7 +17,7 @@ from .evaluate import evaluate_accuracy, held_out_loss, lm_loss_sum, to_device
 from .load import exact_check, load_model_and_tokenizer, split_data
 
 # %% auto #0
-__all__ = ['RunData', 'Objective', 'chunked_loss_fn', 'SFT', 'ObjectiveSpec']
+__all__ = ['RunData', 'Objective', 'run_data', 'chunked_loss_fn', 'SFT', 'ObjectiveSpec']
 
 # %% ../../nbs/11e_train_objective.ipynb #dd69d433
 @dataclass
@@ -40,11 +40,11 @@ class Objective:
     needs_tokenizer: bool = True  # a model object given without one is refused
     pure_batches: bool = False    # batch(tr, g) depends on g alone (no rollouts, no stream state): built a step ahead where that pays
 
+    chunked_ce: str | None = None # what the option `chunked_ce` (vocabulary slices) does for this objective; None: refused
+
     def load_model(self, tr) -> tuple:
         "(model, tokenizer) when the trainer was given none: by default what the config names."
         return load_model_and_tokenizer(tr.config)
-
-    chunked_ce: str | None = None   # what the option `chunked_ce` (vocabulary slices) does for this objective; None: refused
 
     def prepare_data(self, tr) -> RunData:
         "The training rows and the held-out data; tr.model, tr.tokenizer, tr.config and what the caller gave are set."
@@ -110,6 +110,16 @@ class Objective:
     def __repr__(self): return f"{type(self).__name__}()"
 
 # %% ../../nbs/11e_train_objective.ipynb #d31c8dfe
+def run_data(tr, train, evals, check=None, held_out=None) -> RunData:
+    "The `RunData` of `train` (rows drawn from it as they are) with the lengths chosen from the data, or as set, and why."
+    c, evals = tr.config, evals or []
+    max_seq_len = getattr(train, "max_seq_len", None) or c.max_seq_len   # the data layer's choice (None: from the data)
+    template = getattr(train, "use_chat_template", None)   # a caller's plain dataset has neither attribute
+    max_new_tokens, why = fit_max_new_tokens(tr.tokenizer, evals, template, c.max_new_tokens)
+    return RunData(train, train, evals, check or exact_check, held_out, max_seq_len, max_new_tokens,
+                   dict(max_seq_len=max_seq_len, max_seq_len_report=getattr(train, "length_report", "as given"),
+                        max_new_tokens=max_new_tokens, max_new_tokens_report=why))
+
 def chunked_loss_fn(tr) -> ChunkedCrossEntropy | None:
     "With chunked_ce > 0: the chunked cross-entropy, owning the output projection (a final soft-cap applied as the model's forward does)."
     if not tr.config.chunked_ce: return None
@@ -131,13 +141,11 @@ class SFT(Objective):
             d = split_data(c, tr.tokenizer, context=getattr(tr.model.config, "max_seq_len", None), **self.data_options)
             train, evals, check = d.train, d.evals if evals is None else evals, check or d.check
             held = d.held_out if held is None else held
-        evals, template = evals or [], getattr(train, "use_chat_template", None)   # a caller's plain dataset has neither attribute
-        max_seq_len = getattr(train, "max_seq_len", None) or c.max_seq_len   # the data layer's choice (None: from the data)
-        max_new_tokens, why = fit_max_new_tokens(tr.tokenizer, evals, template, c.max_new_tokens)
-        if held is None and evals: held = self.held_out_rows(tr.tokenizer, evals, template)
-        return RunData(train, pack(train, max_seq_len) if c.packing else train, evals, check or exact_check, held, max_seq_len,
-                       max_new_tokens, dict(max_seq_len=max_seq_len, max_seq_len_report=getattr(train, "length_report", "as given"),
-                                            max_new_tokens=max_new_tokens, max_new_tokens_report=why))
+        d = run_data(tr, train, evals, check, held)
+        if d.held_out is None and d.eval_data:
+            d.held_out = self.held_out_rows(tr.tokenizer, d.eval_data, getattr(train, "use_chat_template", None))
+        if c.packing: d.rows = pack(train, d.max_seq_len)
+        return d
 
     def make_loss_fn(self, tr): return chunked_loss_fn(tr)
 

@@ -62,11 +62,12 @@ class Trainer:
         c, obj = self.config, self.objective
         seed_everything(c.seed)
         if self.model is None: self.model, tok = obj.load_model(self); self.tokenizer = self.tokenizer or tok
-        # once, on the model that trains (a hub name's width is known only now); fp32 master weights for the mixed modes
-        self.precision = resolve_precision(c.dtype, get_device(c.device), model_width(c, self.model))
+        width = model_width(c, self.model)   # a hub name's width is known only now
+        # once, on the model that trains; fp32 master weights for the mixed modes
+        self.precision = resolve_precision(c.dtype, get_device(c.device), width)
         self.scaler = self.precision.make_scaler()   # fp16-mixed only: the loss scaler
         if not self.recipe:   # lr / batch_size left None: the recipe for this model (embedded, or real by its width) and method
-            filled, self.recipe = c.with_defaults(model_width(c, self.model))
+            filled, self.recipe = c.with_defaults(width)
             for k in TUNED:
                 if hasattr(c, k): setattr(c, k, getattr(filled, k))
         if self.tokenizer is None and obj.needs_tokenizer: raise ValueError("pass a tokenizer together with a model object")
