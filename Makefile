@@ -8,7 +8,7 @@ FLAGS  ?= slow
 BENCHVENV ?= .venv-bench
 BENCHPY   := $(BENCHVENV)/bin/python
 
-.PHONY: install bench-env demo test check notebooks pytest bench readme clean book hubcache
+.PHONY: install bench-env demo test check notebooks pytest bench readme clean book hubcache export
 
 install: $(VENV)/.installed
 
@@ -39,6 +39,11 @@ check: install
 	$(PY) tools/check_layers.py
 	$(PY) tools/check_order.py
 	$(PY) tools/book.py --check
+
+# export: nbs/ -> tunebook/ (a chapter exports to several modules; tools/export.py writes each whole, where a bare
+# `nbdev_export` would append to all but the chapter's default module)
+export: install
+	$(PY) tools/export.py
 
 # book: run every notebook top to bottom (or only NB=nbs/NAME.ipynb ...) and keep its outputs, as a reader sees them
 book: install hubcache

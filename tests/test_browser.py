@@ -43,7 +43,7 @@ def _status(url):
 @pytest.fixture
 def lab_server(tmp_path):
     if (why := _missing()): pytest.skip(why)
-    shutil.copy(ROOT / "nbs" / "13a_lab.ipynb", tmp_path / "13a_lab.ipynb")
+    shutil.copy(ROOT / "nbs" / "17_lab.ipynb", tmp_path / "17_lab.ipynb")
     port = _free_port()
     env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / ".jupyter"), "JUPYTER_RUNTIME_DIR": str(tmp_path / ".rt"),
            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}

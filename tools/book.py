@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -106,12 +107,13 @@ def main(argv=None) -> int:
         return 0
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     def one(path):   # a process per notebook: IPython's shell takes over the process's __main__ and state
+        t0 = time.perf_counter()
         r = subprocess.run([sys.executable, __file__, "--one", str(path)], cwd=ROOT, env=env, capture_output=True, text=True)
-        return path, (r.stderr[-5000:] or f"exit {r.returncode}") if r.returncode else None
+        return path, (r.stderr[-5000:] or f"exit {r.returncode}") if r.returncode else None, time.perf_counter() - t0
     failed = []
     with ThreadPoolExecutor(max(1, a.workers)) as ex:
-        for path, err in ex.map(one, paths):
-            print(f"{'FAILED' if err else 'ran'} {path}", flush=True)
+        for path, err, secs in ex.map(one, paths):
+            print(f"{'FAILED' if err else 'ran'} {Path(path).name} in {secs:.0f} s", flush=True)
             if err: failed.append(path); print(err, file=sys.stderr)
     return 1 if failed else 0
 

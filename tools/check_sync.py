@@ -1,4 +1,4 @@
-"""Fail if the notebooks are not clean, if nbdev_export would change tunebook/, or if README.md
+"""Fail if the notebooks are not clean, if tools/export.py (`make export`) would change tunebook/, or if README.md
 does not match index.ipynb. Works on a dirty tree too: it compares the tree before and after."""
 import hashlib, subprocess, sys
 from pathlib import Path
@@ -25,7 +25,7 @@ def main():
     before = snapshot()
     run(str(BIN / "nbdev_clean"))
     run(str(BIN / "nbdev_clean"), "--fname", "index.ipynb")
-    run(str(BIN / "nbdev_export"))
+    run(sys.executable, "tools/export.py")
     run(sys.executable, "tools/make_readme.py")
     after = snapshot()
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
