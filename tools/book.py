@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The book: every notebook run top to bottom with its outputs kept, so a reader sees what each cell shows without running it.
 
-`python tools/book.py [NB ...]` (`make book`) runs each notebook (default: nbs/*.ipynb and index.ipynb) as `nbdev_test`
+`python tools/book.py [NB ...]` (`make book`) runs each notebook (default: nbs/*.ipynb, nbs/solutions/*.ipynb and index.ipynb) as `nbdev_test`
 does (the `slow` cells included; cells flagged for hardware this machine may lack, or `eval: false`, are skipped), writes
 the outputs into the notebook and records in each code cell's metadata a hash of the source that made them. A notebook
 that fails keeps its previous outputs and the run exits 1.
@@ -32,9 +32,9 @@ def source_hash(source) -> str:
 
 
 def notebooks(paths=None) -> list[Path]:
-    "The notebooks of the book: the given paths, else nbs/*.ipynb in order and index.ipynb."
+    "The notebooks of the book: the given paths, else the chapters (nbs/*.ipynb) in order, their solutions and index.ipynb."
     if paths: return [Path(p).resolve() for p in paths]
-    return sorted((ROOT / "nbs").glob("*.ipynb")) + [ROOT / "index.ipynb"]
+    return sorted((ROOT / "nbs").glob("*.ipynb")) + sorted((ROOT / "nbs" / "solutions").glob("*.ipynb")) + [ROOT / "index.ipynb"]
 
 
 def stale_cells(path: Path) -> list[str]:

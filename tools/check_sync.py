@@ -30,7 +30,7 @@ def main():
     after = snapshot()
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     if changed:
-        print("These files changed under nbdev_clean / nbdev_export / make_readme:", *changed, sep="\n  ")
+        print("These files changed under nbdev_clean / tools/export.py / make_readme:", *changed, sep="\n  ")
         print("Fix: run `make check` locally (it rewrites them), review, and commit notebooks and modules together.")
         sys.exit(1)
     print("notebooks clean, tunebook/ in sync with nbs/, README.md in sync with index.ipynb")
