@@ -1,12 +1,10 @@
 #!/usr/bin/env python3
 """The reading-order check: no notebook uses a name that a later notebook defines (file order is reading order).
 
-For every `from tunebook.x import a` / `import tunebook.x` in any cell of nbs/*.ipynb, the notebook that exports `a` (or
+For every `from tunebook.x import a` / `import tunebook.x` in any cell of nbs/*.ipynb (and of nbs/solutions/NAME.ipynb, read\nas chapter NAME), the notebook that exports `a` (or
 module `x`) is found from the exported modules (their `File to edit` header, their `__all__`, a package's re-exports); it
-must be the importing notebook itself or an earlier one. `python tools/check_order.py` prints each import that reaches
-forward as `importer: what (defined in NOTEBOOK)` and compares them with tools/order_baseline.txt, the forward imports
-that the course's reordering has yet to remove: it fails on any import not in the baseline (a new forward reference) and
-on any baseline line that no longer occurs (so the baseline only shrinks). `--write-baseline` rewrites it."""
+must be the importing notebook itself or an earlier one. `python tools/check_order.py` (run by `make check` and CI) prints
+each import that reaches forward as `importer: what (defined in NOTEBOOK)` with the fix, and fails on any."""
 from __future__ import annotations
 
 import argparse
@@ -18,7 +16,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG, TOP = ROOT / "tunebook", "tunebook"
-BASELINE = ROOT / "tools" / "order_baseline.txt"
 
 
 def _module_name(path: Path, pkg: Path = PKG) -> str:
@@ -69,8 +66,9 @@ def forward_imports(nbs_dir: Path = ROOT / "nbs", pkg: Path = PKG) -> list[str]:
     "`importer: what (defined in NOTEBOOK)` for every import in a notebook of something a later notebook defines."
     (mods, owner), out = package_index(pkg), []
     order = {p.name: i for i, p in enumerate(sorted(nbs_dir.glob("*.ipynb")))}
-    for nb_path in sorted(nbs_dir.glob("*.ipynb")):
-        me = order[nb_path.name]
+    solutions = sorted((nbs_dir / "solutions").glob("*.ipynb"))   # read as the last chapter whose name sorts at or before theirs
+    for nb_path in sorted(nbs_dir.glob("*.ipynb")) + solutions:
+        me = order[nb_path.name] if nb_path.parent == nbs_dir else max((i for n, i in order.items() if n <= nb_path.name), default=-1)
         seen = set()
         for cell in json.loads(nb_path.read_text())["cells"]:
             if cell["cell_type"] != "code": continue
@@ -84,25 +82,17 @@ def forward_imports(nbs_dir: Path = ROOT / "nbs", pkg: Path = PKG) -> list[str]:
                     uses = [(f"{node.module}.{a.name}", owner(node.module, a.name)) for a in node.names if a.name != "*"]
                 for what, where in uses:
                     if where in order and order[where] > me and (what, where) not in seen:
-                        seen.add((what, where)); out.append(f"{nb_path.name}: {what} (defined in {where})")
+                        seen.add((what, where)); out.append(f"{nb_path.relative_to(nbs_dir)}: {what} (defined in {where})")
     return out
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--write-baseline", action="store_true", help="record today's forward imports as the baseline")
-    a = p.parse_args(argv)
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     found = forward_imports()
-    if a.write_baseline:
-        BASELINE.write_text("# forward imports the course's reordering has yet to remove (tools/check_order.py); only shrinks\n"
-                            + "".join(f"{l}\n" for l in found))
-        print(f"wrote {len(found)} forward imports to {BASELINE.relative_to(ROOT)}"); return 0
-    base = [l for l in BASELINE.read_text().splitlines() if l and not l.startswith("#")] if BASELINE.exists() else []
-    new, gone = [l for l in found if l not in base], [l for l in base if l not in found]
-    for l in new: print(f"{l}: a notebook uses what a later one defines; move it to that notebook or later, or the definition earlier")
-    for l in gone: print(f"{l}: no longer a forward import; remove the line from {BASELINE.relative_to(ROOT)}")
-    if new or gone: return 1
-    print(f"reading order: no new forward import ({len(found)} in the baseline, to be removed by the reordering)")
+    for l in found: print(f"{l}: a notebook uses what a later one defines; move it to that notebook or later, or the definition earlier")
+    if found: return 1
+    n = len(list((ROOT / "nbs").glob("*.ipynb")))
+    print(f"reading order: none of the {n} chapters imports what a later one defines")
     return 0
 
 

@@ -44,9 +44,10 @@ def modules_of(nb_path: Path) -> dict[str, tuple[list, list]]:
     return out
 
 
-def export(nbs: list[Path] | None = None) -> list[str]:
-    "Write every module of every notebook fresh; returns the module names written."
-    os.chdir(ROOT)
+def export(nbs: list[Path] | None = None, root: Path = ROOT) -> list[str]:
+    "Write every module of every notebook of the nbdev project at `root` fresh; returns the module names written."
+    os.chdir(root)
+    get_config.cache_clear()   # nbdev caches the config of the first project it saw
     cfg = get_config()
     nbs = nbs or nbglob(path=cfg.nbs_path, as_path=True).sorted("name")
     owner = {}

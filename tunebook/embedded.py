@@ -139,7 +139,7 @@ _CARD = """# tunebook embedded model
 
 A {params} parameter Llama-architecture model ({dim} wide, {n_layers} layers, {n_heads} query / {n_kv_heads} key-value heads,
 tied embeddings) and a byte-level tokenizer, trained from scratch by `tunebook.embedded.make_embedded`
-(nbs/90_embedded.ipynb) with seed {seed}: {steps} steps of batch {batch_size} x {seq_len} packed tokens on the
+(nbs/12_pretraining.ipynb) with seed {seed}: {steps} steps of batch {batch_size} x {seq_len} packed tokens on the
 synthetic tasks {tasks}. It has never seen the task {finetune!r}: that is what `tunebook finetune` teaches it.
 """
 
@@ -174,7 +174,7 @@ def folder_sha256(folder) -> dict[str, str]:
 
 # %% ../nbs/12_pretraining.ipynb #d7141bad
 ASSET_SHA256 = {
-    'README.md': 'db13ef68beb4c33e951b7f4c747d94b54b2a7c1d08e72db2769b3f951df9a1d5',
+    'README.md': 'bb7321a8d823764fa7e1f26469597de9b60740d3f63aea194faa7104dee7efa9',
     'config.json': '88f24634bb1e76e729da24d8d37546fd9e063bf68649a5b791720cbc0c6e214a',
     'model.safetensors': '2d00831b95db705b84418ed70af54fd50f09c62cb3d83f24530a97ab71fe231a',
     'tokenizer.json': '8a2b4bf1fb8135e6307e9f005414fd6dfdab0317f6c039887d6a7891318fcd52',
