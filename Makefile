@@ -8,7 +8,7 @@ FLAGS  ?= slow
 BENCHVENV ?= .venv-bench
 BENCHPY   := $(BENCHVENV)/bin/python
 
-.PHONY: install bench-env demo test check notebooks pytest bench readme clean book hubcache export
+.PHONY: install bench-env demo test check notebooks pytest bench readme clean book hubcache export hooks
 
 install: $(VENV)/.installed
 
@@ -44,6 +44,11 @@ check: install
 # `nbdev_export` would append to all but the chapter's default module)
 export: install
 	$(PY) tools/export.py
+
+# hooks: JupyterLab cleans a notebook's metadata when it saves it (so opening a chapter does not dirty the tree), and git
+# resolves notebook merge conflicts cell by cell (nbdev's own hooks)
+hooks: install
+	$(BIN)/nbdev_install_hooks
 
 # book: run every notebook top to bottom (or only NB=nbs/NAME.ipynb ...) and keep its outputs, as a reader sees them
 book: install hubcache

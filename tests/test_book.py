@@ -41,3 +41,16 @@ def test_a_failing_notebook_is_left_as_it_was(tmp_path):
     before = p.read_text()
     path, err = book.run_notebook(p)
     assert "ZeroDivisionError" in err and p.read_text() == before
+
+
+def test_a_cell_that_shows_nothing_now_loses_its_old_outputs(tmp_path):
+    """A cell that displayed something once and nothing after an edit must not keep the old display (a stale widget)."""
+    p = tmp_path / "t.ipynb"
+    _notebook(p, "x = 1\nx")
+    assert book.main([str(p)]) == 0
+    nb = json.loads(p.read_text())
+    assert nb["cells"][1]["outputs"]
+    nb["cells"][1]["source"] = "x = 1"
+    p.write_text(json.dumps(nb))
+    assert book.main([str(p)]) == 0
+    assert json.loads(p.read_text())["cells"][1]["outputs"] == []

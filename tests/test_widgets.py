@@ -1,7 +1,10 @@
 """Widget state tests, no browser: set `.value`, call `.click()`, read the widgets and the plain state behind them."""
+import ast
 import json
 import subprocess
 import sys
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,9 +14,9 @@ from tunebook.model import build_model, get_config
 from tunebook.tokenizer import train_tokenizer
 from conftest import HANG, hung, joined, run_reaches
 from tunebook import live
-from tunebook.live import LiveRun, compare_techniques, estimate_memory, step_memory
+from tunebook.live import LiveRun, compare_techniques, estimate_memory, model_config, step_memory
 from tunebook.memory import estimate, rough_estimate, state_bytes
-from tunebook.widgets import AblationLab, Compare, RunBuilder
+from tunebook.widgets import AblationLab, Compare, RunBuilder, seq_lens
 
 FAST = dict(n_train=32, eval_samples=2, max_new_tokens=2, warmup_steps=0)
 PNG = b"\x89PNG"
@@ -47,6 +50,51 @@ def test_run_click_trains_and_saves_chart(builder):
     assert list(builder.frame.step) == [1, 2, 3]
     assert {"parameters_bytes", "gradients_bytes", "optimizer_bytes", "peak_bytes"} <= set(builder.frame.columns)
     assert not builder.run_button.disabled
+    _one_readable_table(builder.results.value, rows=3)
+
+
+def _one_readable_table(html, rows):
+    "One HTML table of `rows` body rows, no empty (NaN) cells' text, sizes in binary units, not raw byte counts."
+    import re
+    assert html.count("<table") == 1 and html.count("<tbody>") == 1, html
+    assert html.split("<tbody>")[1].count("<tr") == rows, html
+    assert "NaN" not in html and "None" not in html and re.search(r"\d+\.\d\d [KMG]iB", html), html
+    assert not re.search(r">\s*\d{6,}(\.0)?\s*<", html), "a raw byte count: " + html   # 974224 is 951.39 KiB
+
+
+def test_run_builder_defaults_to_the_finetune_task_and_names_the_known_ones(tmp_path):
+    from tunebook.tasks import FINETUNE_TASK, PRETRAIN_TASKS
+    rb = RunBuilder(loader=tiny_loader, output_dir=tmp_path, **FAST)
+    assert rb.data.value == FINETUNE_TASK == rb.build_config().task == "reverse"
+    assert all(t in rb.task_note.value for t in PRETRAIN_TASKS) and "pick" not in rb.task_note.value
+    rb.data.value = "add"
+    assert "'add' is a task the model already knows" in rb.task_note.value
+    rb.model.value = str(tmp_path)   # a folder model: the builder does not claim to know what it learned
+    assert rb.task_note.value == ""
+
+
+def test_default_task_is_one_the_embedded_model_learns(tmp_path):
+    "The builder's default run on the shipped model: the loss falls (on 'add', which it knows, it starts low and stays)."
+    rb = RunBuilder(output_dir=tmp_path, **FAST)
+    rb.steps.value, rb.batch_size.value, rb.seq_len.value = 20, 8, 64
+    rb.run_button.click(); joined(rb.run.thread, "a 20-step run of the embedded model")
+    loss = [r["loss"] for r in rb.run.rows]
+    assert rb.run.status == "finished" and rb.run.config.task == "reverse"
+    assert sum(loss[-3:]) / 3 < 0.6 * loss[0], loss
+
+
+def test_run_table_shows_last_rows_and_only_columns_with_values():
+    "30 steps with the tracker's mem_* columns on two of them: the last 8 rows, no all-empty column, readable units."
+    import pandas as pd
+    from tunebook.widgets import _table
+    rows = [dict(step=i, loss=1 / i, lr=3e-3, peak_bytes=17274636, parameters_bytes=7368000, gradients_bytes=868352,
+                 optimizer_bytes=1736928, peak_how="tunebook.memory.MemoryTracker: peak live tensors",
+                 **({"mem_parameters": 7368000, "peak_phase": "backward"} if i <= 2 else {})) for i in range(1, 31)]
+    html = _table(pd.DataFrame(rows), last=8, once=("peak_how",))
+    _one_readable_table(html, rows=8)
+    assert "mem_" not in html and "at peak" not in html and "peak_phase" not in html and "peak phase" not in html
+    assert ">23<" in html and ">30<" in html and ">22<" not in html    # the last eight steps
+    assert html.count("MemoryTracker") == 1                            # said once, under the table
 
 
 def test_stop_keeps_checkpoint(builder):
@@ -127,8 +175,72 @@ def test_ablation_background_worker_draws_latest():
 def test_ablation_invalid_is_a_message():
     lab = AblationLab(background=False, rough=True, model="pico")
     before = lab.chart.value
-    lab.seq_len.value = 4096
+    lab.state.request("pico", **{**lab.options(), "seq_len": 4096})   # the slider cannot go there: ask the state directly
     assert "max_seq_len" in lab.message.value and lab.chart.value == before
+    lab.checkpointing.value = True     # the next valid change redraws
+    assert "max_seq_len" not in lab.message.value and lab.chart.value != before
+
+
+def _drawn_without_error(lab, model, seq_len):
+    assert "b00020" not in lab.message.value, lab.message.value       # no red error text
+    assert lab.state.error is None and lab.state.key[0] == model and dict(lab.state.key[1])["seq_len"] == seq_len
+    assert lab.chart.layout.display is None and lab.chart.value[:4] == PNG
+
+
+def test_ablation_seq_len_range_follows_the_model():
+    "The slider never offers a length the model cannot take: every position of it draws, for each model it visits."
+    lab = AblationLab(background=False, rough=True)
+    assert lab.seq_len.options[-1] == model_config("embedded").max_seq_len == 512
+    for model in ("embedded", "smollm2-135m", "llama3.1-70b", "pico"):
+        lab.model.value = model
+        top = model_config(model).max_seq_len
+        assert list(lab.seq_len.options) == seq_lens(top) and lab.seq_len.options[-1] == top
+        _drawn_without_error(lab, model, lab.seq_len.value)
+        for s in lab.seq_len.options[::-1]:       # drag across the whole range, down to the shortest
+            chart = lab.chart.value
+            if s != lab.seq_len.value: lab.seq_len.value = s; assert lab.chart.value != chart
+            _drawn_without_error(lab, model, s)
+        lab.seq_len.value = top
+        for box in (lab.checkpointing, lab.in_backward, lab.checkpointing):   # toggling techniques redraws
+            chart = lab.chart.value; box.value = not box.value
+            assert lab.chart.value != chart; _drawn_without_error(lab, model, top)
+    lab.model.value = "llama3.1-70b"; lab.seq_len.value = 131072
+    lab.model.value = "embedded"                 # back to a short context: the value moves inside the range
+    assert lab.seq_len.value == 512; _drawn_without_error(lab, "embedded", 512)
+
+
+def test_ablation_error_is_a_message_and_the_lab_keeps_working(monkeypatch):
+    lab = AblationLab(background=False, model="pico")
+    before = lab.chart.value
+    def broken(*a, **k): raise RuntimeError("estimator broke")
+    monkeypatch.setattr(live, "estimate_memory", broken)
+    lab.seq_len.value = 128                      # must not raise out of the observer
+    assert "estimator broke" in lab.message.value and "still show pico, seq len 512" in lab.message.value
+    assert lab.chart.value == before
+    monkeypatch.undo()
+    lab.checkpointing.value = True               # the next valid change redraws
+    _drawn_without_error(lab, "pico", 128); assert lab.chart.value != before
+    import tunebook.widgets
+    def unreadable(name): raise OSError(f"cannot read {name}'s config.json")
+    monkeypatch.setattr(tunebook.widgets, "model_config", unreadable)
+    lab.model.value = "embedded"                 # following the model's context fails: a message, not a traceback
+    assert "cannot read embedded" in lab.message.value and "b00020" in lab.message.value
+    monkeypatch.undo()
+    lab.model.value = "pico"
+    _drawn_without_error(lab, "pico", 128)
+
+
+def test_ablation_axis_scales_to_what_is_drawn():
+    "The embedded model's default estimate (about 22 MiB) fills its axis: no 0-25 GiB axis, no GPU line out of reach."
+    from tunebook.charts import GiB, ablation_axis
+    from tunebook.memory import MemoryReport
+    lab = AblationLab(background=False, rough=True)
+    unit, size, end, gpus = ablation_axis(lab.estimate)
+    drawn = max(lab.estimate.peak_bytes, sum(lab.estimate.categories.values()))
+    assert unit == "MiB" and gpus == [] and drawn / size < end < 1.5 * drawn / size
+    r = MemoryReport(20 * GiB, dict(parameters=20 * GiB), "formula", "x")   # 24 GiB is within reach, 40 GiB is not
+    unit, size, end, gpus = ablation_axis(r)
+    assert (unit, gpus) == ("GiB", ["24 GiB"]) and 24 < end < 30
 
 
 def test_gpu_slider_gives_per_gpu_bytes_under_fsdp():
@@ -152,6 +264,7 @@ def test_rough_estimate_counts_parameters_exactly():
 
 def test_compare_table_and_chart(tmp_path):
     cmp = Compare(loader=tiny_loader, output_dir=str(tmp_path), task="add", **FAST)
+    assert cmp.chart.layout.display == "none" and cmp.table.value == ""   # no broken image before a chart exists
     cmp.combos.value = ("baseline", "optimizer in backward")
     cmp.steps.value, cmp.batch_size.value, cmp.seq_len.value = 1, 4, 32
     cmp.run_button.click(); joined(cmp.thread, "the comparison's two runs")
@@ -162,10 +275,23 @@ def test_compare_table_and_chart(tmp_path):
     assert df.optimizer_bytes[1] == df.optimizer_bytes[0] > 0      # the same AdamW state either way
     assert (df.state_bytes == df.parameters_bytes + df.gradients_bytes + df.optimizer_bytes).all()
     assert df.peak_how.str.startswith("measured").all() and (df.peak_bytes > df.parameters_bytes).all()
-    assert cmp.chart.value[:4] == PNG and cmp.status.value.startswith("done")
+    assert cmp.chart.value[:4] == PNG and cmp.status.value.startswith("done") and cmp.chart.layout.display is None
+    _one_readable_table(cmp.table.value, rows=2)   # one table, replaced as each combination finished
     cmp.combos.value = ()
     cmp.run_button.click()
     assert "at least one" in cmp.status.value
+
+
+def test_compare_table_is_replaced_not_stacked():
+    "Rows arriving from the worker thread replace the one table (an Output cleared from a thread kept every old one)."
+    import pandas as pd
+    cmp = Compare(loader=tiny_loader)
+    row = dict(combination="baseline", tokens_per_s=4178.03, state_bytes=9973280, parameters_bytes=7368000,
+               peak_bytes=22946572, peak_how="measured: one real training step on cpu", error=None)
+    t = threading.Thread(target=lambda: [cmp._show(pd.DataFrame([row] * n)) for n in (1, 2, 3)]); t.start(); t.join()
+    _one_readable_table(cmp.table.value, rows=3)
+    assert "9.51 MiB" in cmp.table.value and "error" not in cmp.table.value   # an empty error column is left out
+    assert cmp.chart.layout.display is None and cmp.chart.value[:4] == PNG
 
 
 def test_compare_techniques_measures_what_each_saves(tmp_path):
@@ -230,3 +356,17 @@ def test_lab_estimates_phi3_with_default_targets(tmp_path):
     assert r.settings["lora_targets"] == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
     ref = apply_lora(build_model(pico(arch="phi3")), rank=8, targets="all-linear")
     assert r.settings["trainable_params"] == count_params(ref, trainable_only=True)
+
+
+def test_lab_hidden_cells_display_nothing():
+    "A hidden cell of the lab notebook may not end in an expression (JupyterLab would draw a returned widget twice)."
+    nb = json.loads((Path(__file__).resolve().parents[1] / "nbs" / "17_lab.ipynb").read_text())
+    hidden = [c for c in nb["cells"] if c["cell_type"] == "code" and "".join(c["source"]).lstrip().startswith("#| hide")]
+    assert hidden
+    for c in hidden:
+        src = "".join(c["source"])
+        body = ast.parse(src).body
+        shows = body and isinstance(body[-1], ast.Expr) and not src.rstrip().endswith(";")
+        assert not shows, f"hidden cell {c.get('id')} ends in an expression that displays its value:\n{src}"
+        for o in c.get("outputs", []):
+            assert "application/vnd.jupyter.widget-view+json" not in o.get("data", {}), f"hidden cell {c.get('id')} shows a widget"

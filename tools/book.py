@@ -59,6 +59,8 @@ def run_notebook(path: Path) -> tuple[str, str | None]:
     path = Path(path)
     skip = set(get_config().tst_flags.split()) - FORCED
     ran = NBProcessor(path, procs=FrontmatterProc, process=True).nb
+    for c in ran.cells:   # execnb replaces a cell's outputs only when the run shows some: a cell that shows nothing now would keep old ones
+        if c.cell_type == "code": c.outputs = []
     skipped = set()
 
     def no_eval(cell):   # as nbdev_test decides which cells run

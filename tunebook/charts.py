@@ -15,7 +15,8 @@ from .core import human_bytes
 from .memory import MemoryReport
 
 # %% auto #0
-__all__ = ['COLORS', 'GPU_GIB', 'GiB', 'loss_png', 'memory_png', 'combined_png', 'fits', 'ablation_png', 'compare_png']
+__all__ = ['COLORS', 'GPU_GIB', 'GiB', 'UNITS', 'loss_png', 'memory_png', 'combined_png', 'fits', 'ablation_axis', 'ablation_png',
+           'compare_png']
 
 # %% ../nbs/17_lab.ipynb #f7f5edbb
 COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer": "#55A868", "activations": "#C44E52",
@@ -75,19 +76,28 @@ def fits(report: MemoryReport) -> list[str]:
     "The common GPU sizes the report's peak fits in."
     return [n for n, g in GPU_GIB.items() if report.peak_bytes <= g * GiB]
 
+UNITS = (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+
+def ablation_axis(report: MemoryReport) -> tuple[str, int, float, list[str]]:
+    "The ablation bar's scale: (unit, its bytes, the axis end in that unit, the GPU sizes drawn)."
+    drawn = max(report.peak_bytes, sum(report.categories.values()), 1)
+    unit, size = next((n, b) for n, b in UNITS if drawn >= b or b == 1)
+    gpus = [n for n, g in GPU_GIB.items() if g * GiB <= 1.5 * drawn]   # smaller sizes, and the next one when within reach
+    end = max([1.15 * drawn] + [1.05 * GPU_GIB[n] * GiB for n in gpus])
+    return unit, size, end / size, gpus
+
 def ablation_png(report: MemoryReport, title="") -> bytes:
-    "One horizontal stacked bar (GiB) by category, with dotted lines at common GPU sizes."
+    "One horizontal stacked bar by category on an axis scaled to the bar, with dotted lines at the GPU sizes within reach."
+    unit, size, end, gpus = ablation_axis(report)
     fig = Figure(figsize=(8, 2.6)); ax = fig.add_subplot()
     left = 0.0
     for k, v in report.categories.items():
-        ax.barh([0], [v / GiB], left=left, color=COLORS.get(k), label=f"{k} {human_bytes(v)}", height=0.5)
-        left += v / GiB
-    peak = report.peak_bytes / GiB
-    top = max(peak * 1.15, min((g for g in GPU_GIB.values() if g >= peak), default=peak) * 1.05, 1e-3)
-    for name, g in GPU_GIB.items():
-        if g <= top * 1.5:
-            ax.axvline(g, color="k", ls=":", lw=1); ax.text(g, 0.42, f" {name}", fontsize=7, va="bottom")
-    ax.set_xlim(0, top); ax.set_ylim(-0.5, 0.8); ax.set_yticks([]); ax.set_xlabel("GiB")
+        ax.barh([0], [v / size], left=left, color=COLORS.get(k), label=f"{k} {human_bytes(v)}", height=0.5)
+        left += v / size
+    for name in gpus:
+        x = GPU_GIB[name] * GiB / size
+        ax.axvline(x, color="k", ls=":", lw=1); ax.text(x, 0.42, f" {name}", fontsize=7, va="bottom")
+    ax.set_xlim(0, end); ax.set_ylim(-0.5, 0.8); ax.set_yticks([]); ax.set_xlabel(unit)
     n = report.settings.get("nproc", 1)
     ax.set_title(f"{title}  peak {human_bytes(report.peak_bytes)}" + (f" per GPU of {n}" if n > 1 else ""), fontsize=10)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))

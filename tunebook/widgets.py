@@ -5,24 +5,46 @@
 # %% ../nbs/17_lab.ipynb #b1fcf1dd
 from __future__ import annotations
 
+import html
 import threading
 import time
 from pathlib import Path
 
 import ipywidgets as W
+import pandas as pd
 
 from .charts import GPU_GIB, ablation_png, combined_png, compare_png, fits, loss_png, memory_png
 from .core import human_bytes, patch
 from .data import TASKS
 from .live import COMBOS, Ablation, LiveRun, compare_techniques, model_config, models_by_size
 from .model import BUILDERS
+from .tasks import FINETUNE_TASK, PRETRAIN_TASKS
 from .train import TrainConfig
 
 # %% auto #0
-__all__ = ['RunBuilder', 'AblationLab', 'Compare']
+__all__ = ['RunBuilder', 'seq_lens', 'AblationLab', 'Compare']
 
 # %% ../nbs/17_lab.ipynb #c1ddcb51
 def _err(msg) -> str: return f"<span style='color:#b00020'>{msg}</span>"
+
+def _header(c: str) -> str:
+    "A column name as a table header: sizes lose `_bytes`, a tracker's `mem_x` is `x at peak`."
+    if c == "tokens_per_s": return "tokens/s"
+    if c.startswith("mem_"): return c[4:].replace("_", " ") + " at peak"
+    return c.removesuffix("_bytes").replace("_", " ")
+
+def _table(df: pd.DataFrame | None, last: int | None = None, once=(), note: str = "") -> str:
+    "`df` as one HTML table: its `last` rows, only the columns with a value there, sizes by `human_bytes`, a column of `once` said below when its rows agree."
+    if df is None or not len(df): return ""
+    d = (df.tail(last) if last else df).dropna(axis=1, how="all")
+    same = [c for c in once if c in d and d[c].nunique(dropna=False) == 1]
+    notes = [note] * bool(note) + [f"{_header(c)}: {d[c].iloc[0]}" for c in same]
+    d = d.drop(columns=same)
+    fmt = {c: (lambda v: "" if pd.isna(v) else human_bytes(v)) for c in d if c.endswith("_bytes") or c.startswith("mem_")}
+    fmt.update({c: (lambda v: "" if pd.isna(v) else f"{v:.4g}") for c in d if c not in fmt and pd.api.types.is_float_dtype(d[c])})
+    t = d.rename(columns=_header).to_html(index=False, na_rep="", border=0, formatters={_header(c): f for c, f in fmt.items()})
+    return ("<div style='overflow-x:auto; max-width:100%; font-size:85%'>" + t + "</div>"
+            + "".join(f"<div style='font-size:smaller'>{html.escape(n)}</div>" for n in notes))
 
 class RunBuilder:
     "Build a `TrainConfig` with widgets, train it live in a background thread, stop it, see its metrics."
@@ -32,7 +54,8 @@ class RunBuilder:
         s = dict(style={"description_width": "initial"})
         self.model = W.Combobox(value="embedded", options=["embedded"], description="model",
                                 placeholder="embedded, or a local Hugging Face model folder", ensure_option=False, **s)
-        self.data = W.Combobox(value="", options=list(TASKS), description="data", ensure_option=False,
+        self.data = W.Combobox(value=FINETUNE_TASK, options=[FINETUNE_TASK] + [t for t in TASKS if t != FINETUNE_TASK],
+                               description="data", ensure_option=False,
                                placeholder="the model's default task, a task name, or a .jsonl/.csv/.parquet file", **s)
         self.method = W.ToggleButtons(options=["full", "lora", "dora", "qlora"], value="lora", description="method", **s)
         self.dtype = W.Dropdown(options=["fp32", "bf16"], value="fp32", description="dtype", **s)
@@ -52,18 +75,31 @@ class RunBuilder:
         self.loss_image = W.Image(format="png", value=loss_png([]), width=420)
         self.memory_image = W.Image(format="png", value=memory_png([]), width=420)
         self.memory_note = W.HTML("")
-        self.results = W.Output()
+        self.results, self.task_note = W.HTML(""), W.HTML("")
         self.run_button.on_click(lambda _: self.start())
         self.stop_button.on_click(lambda _: self.stop())
         for w, c in [(self.run_button, "tb-run"), (self.stop_button, "tb-stop"), (self.loss_image, "tb-loss"),
-                     (self.memory_image, "tb-memory"), (self.status, "tb-status"), (self.progress, "tb-progress")]:
+                     (self.memory_image, "tb-memory"), (self.status, "tb-status"), (self.progress, "tb-progress"),
+                     (self.results, "tb-results"), (self.task_note, "tb-task-note"), (self.data, "tb-data")]:
             w.add_class(c)
+        for w in (self.model, self.data): w.observe(lambda _: self._note_task(), names="value")
+        self._note_task()
         self.widget = W.VBox([
-            W.HBox([self.model, self.data]), W.HBox([self.method, self.dtype]),
+            W.HBox([self.model, self.data]), self.task_note, W.HBox([self.method, self.dtype]),
             W.HBox([self.steps, self.batch_size, self.seq_len]), W.HBox([self.lr, self.rank]),
             W.HBox([self.chunked_ce, self.checkpointing, self.offloading, self.in_backward]),
             W.HBox([self.run_button, self.stop_button, self.progress]), self.status,
             W.HBox([self.loss_image, self.memory_image]), self.memory_note, self.results])
+
+    def _note_task(self):
+        "Say which tasks the embedded model already knows, and warn when one of them is chosen."
+        if (self.model.value.strip() or "embedded") != "embedded": self.task_note.value = ""; return
+        d = self.data.value.strip()
+        known = (f"The embedded model already knows {', '.join(PRETRAIN_TASKS)} (its pretraining): their loss starts low "
+                 f"and hardly falls. It has never seen {FINETUNE_TASK!r}, the fine-tune task: there the loss falls.")
+        warn = (f"<b style='color:#a05a00'>{d!r} is a task the model already knows: pick {FINETUNE_TASK!r} to watch it "
+                f"learn.</b> " if d in PRETRAIN_TASKS else "")
+        self.task_note.value = warn + known
 
     def _ipython_display_(self):
         from IPython.display import display
@@ -100,7 +136,7 @@ def start(self: RunBuilder):
     try: cfg = self.build_config()
     except Exception as e:
         self.status.value = _err(str(e).replace("\n", "<br>")); return None
-    self.results.clear_output()
+    self.results.value = ""
     self.progress.max, self.progress.value, self.progress.description = cfg.max_steps, 0, f"0/{cfg.max_steps}"
     self.run_button.disabled, self.stop_button.disabled = True, False
     self._last_draw = 0.0
@@ -140,16 +176,26 @@ def _refresh(self: RunBuilder, run: LiveRun):
 
 @patch
 def _finish(self: RunBuilder, run: LiveRun):
-    "Show the metrics DataFrame and save the run's charts as live.png in its folder."
+    "Show the last steps' metrics as a table (all of them in `frame`) and save the run's charts as live.png in its folder."
     self.frame = run.frame()
     out = Path(run.config.output_dir); out.mkdir(parents=True, exist_ok=True)
     self.png_path = out / "live.png"
     self.png_path.write_bytes(combined_png(run.rows, run.evals, run.memory, title=f"({run.config.method}, {run.status})"))
     if run.summary: self.status.value += f" &middot; {run.summary.get('tokens_per_second') or 0:.0f} tokens/s &middot; saved {self.png_path}"
-    self.results.outputs = ()
-    self.results.append_display_data(self.frame)
+    n = min(len(self.frame), 8)
+    self.results.value = _table(self.frame, last=n, once=("peak_how",),
+                                note=f"the last {n} of {len(self.frame)} steps; .frame holds every step and column")
 
 # %% ../nbs/17_lab.ipynb #33a58afa
+def seq_lens(max_seq_len: int) -> list[int]:
+    "The sequence lengths a model with context `max_seq_len` takes: powers of two from 64, and `max_seq_len` itself."
+    opts = [2**i for i in range(6, 18) if 2**i < max_seq_len]
+    return opts + [max_seq_len]
+
+def _at_most(options: list[int], n: int) -> int:
+    "The largest of `options` not above `n` (the smallest when all are)."
+    return max((o for o in options if o <= n), default=options[0])
+
 class AblationLab:
     "Sliders and toggles that redraw an estimated memory bar by category at once; Measure checks small configs."
     def __init__(self, background: bool = True, # estimate in a worker thread (a rough preview shows at once)
@@ -161,9 +207,8 @@ class AblationLab:
         self.model = W.SelectionSlider(options=models_by_size(), value=model, description="model", **s)
         self.method = W.ToggleButtons(options=["full", "lora", "dora", "qlora"], value="lora", description="method")
         self.dtype = W.ToggleButtons(options=["bf16", "fp32"], value="bf16", description="dtype")
-        top = model_config(model).max_seq_len
-        self.seq_len = W.SelectionSlider(options=[2**i for i in range(6, 18)], value=max(64, min(2048, 2 ** (top.bit_length() - 1))),
-                                         description="seq len", **s)
+        opts = seq_lens(model_config(model).max_seq_len)   # the range follows the model (`_follow_model`)
+        self.seq_len = W.SelectionSlider(options=opts, value=_at_most(opts, 2048), description="seq len", **s)
         self.batch_size = W.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64], value=1, description="batch", **s)
         self.rank = W.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64, 128, 256], value=16, description="LoRA rank", **s)
         self.chunks = W.IntSlider(value=0, min=0, max=32, description="CE chunks (0 off)", **s)
@@ -172,14 +217,17 @@ class AblationLab:
         self.offloading = W.Checkbox(value=False, description="activation offloading", indent=False)
         self.in_backward = W.Checkbox(value=False, description="optimizer in backward", indent=False)
         self.measure_button = W.Button(description="Measure", icon="tachometer")
-        self.chart = W.Image(format="png", value=b"", width=640)
+        self.chart = W.Image(format="png", value=b"", width=640, layout=W.Layout(display="none"))   # shown once drawn
         self.numbers, self.message = W.HTML(""), W.HTML("")
         self.controls = [self.model, self.method, self.dtype, self.seq_len, self.batch_size, self.rank, self.chunks, self.nproc,
                          self.checkpointing, self.offloading, self.in_backward]
-        for w in self.controls: w.observe(lambda _: self.update(), names="value")
+        self._syncing = False
+        for w in self.controls: w.observe(self._changed, names="value")
         self.measure_button.on_click(lambda _: self.measure())
         for w, c in [(self.chart, "tb-ablation-chart"), (self.numbers, "tb-ablation-numbers"), (self.seq_len, "tb-seq-len"),
-                     (self.message, "tb-ablation-message"), (self.measure_button, "tb-measure"), (self.nproc, "tb-nproc")]:
+                     (self.message, "tb-ablation-message"), (self.measure_button, "tb-measure"), (self.nproc, "tb-nproc"),
+                     (self.model, "tb-model"), (self.checkpointing, "tb-checkpointing"), (self.offloading, "tb-offloading"),
+                     (self.in_backward, "tb-in-backward")]:
             w.add_class(c)
         self.widget = W.VBox([self.model, W.HBox([self.method, self.dtype]), W.HBox([self.seq_len, self.batch_size]),
                               W.HBox([self.rank, self.chunks, self.nproc]),
@@ -190,6 +238,22 @@ class AblationLab:
     def _ipython_display_(self):
         from IPython.display import display
         display(self.widget)
+
+    def _changed(self, change):
+        "A control moved: follow a new model's context, then redraw; never raises (an error is a message)."
+        if self._syncing: return
+        try:
+            if change["owner"] is self.model: self._follow_model()
+            self.update()
+        except Exception as e: self.message.value = _err(f"{type(e).__name__}: {e}")
+
+    def _follow_model(self):
+        "Give the sequence-length slider the model's range (up to its `max_seq_len`), keeping the value where it fits."
+        opts = seq_lens(model_config(self.model.value).max_seq_len)
+        keep = _at_most(opts, self.seq_len.value)
+        self._syncing = True   # setting options moves the value: one redraw after, not one per step
+        try: self.seq_len.options, self.seq_len.value = opts, keep
+        finally: self._syncing = False
 
     def options(self) -> dict:
         "The estimator's keyword arguments that the widgets describe."
@@ -225,17 +289,22 @@ def wait(self: AblationLab, timeout: float = 120) -> "AblationLab":
 def _show(self: AblationLab, state: Ablation):
     "Draw the state's report, measurement or message."
     try:
-        if state.error: self.message.value = _err(state.error.replace("\n", "<br>")); return
+        if state.error:
+            last = f" &middot; the chart and table still show {state.key[0]}, seq len {dict(state.key[1]).get('seq_len')}" if state.key else ""
+            self.message.value = _err(state.error.replace("\n", "<br>")) + last; return
         r, o = state.report, dict(state.key[1])
         if state.measured is not None:
             m = state.measured
             self.message.value = (f"estimated {human_bytes(m.peak_bytes)}, measured {human_bytes(m.measured_peak_bytes)}: "
                                   f"error <span class='tb-error'>{m.error:+.1%}</span> &middot; {m.how}")
             return
-        self.chart.value = ablation_png(r, title=f"{state.key[0]}, {o['method']}")
+        self.chart.value = ablation_png(r, title=f"{state.key[0]}, {o['method']}, seq len {o['seq_len']}")
+        self.chart.layout.display = None
         per = f" per GPU of {o['nproc']}" if o.get("nproc", 1) > 1 else ""
         rows = "".join(f"<tr><td>{k}</td><td style='text-align:right'>{human_bytes(v)}</td></tr>" for k, v in r.categories.items())
-        self.numbers.value = (f"<table>{rows}<tr><td><b>peak{per}</b></td><td><b class='tb-peak'>{human_bytes(r.peak_bytes)}</b></td></tr>"
+        said = (f"<div class='tb-ablation-for'>{state.key[0]} &middot; seq len {o.get('seq_len')} &middot; {o.get('method')}, "
+                f"{o.get('dtype')} &middot; batch {o.get('batch_size')}{' &middot; computing…' if state.preview else ''}</div>")
+        self.numbers.value = (f"{said}<table>{rows}<tr><td><b>peak{per}</b></td><td><b class='tb-peak'>{human_bytes(r.peak_bytes)}</b></td></tr>"
                               f"</table>fits: {', '.join(fits(r)) or 'none of ' + ', '.join(GPU_GIB)}")
         self.message.value = f"{r.how} &middot; {r.seconds:.2f} s"
         if state.preview: self.message.value = ("<b>computing…</b> the step on fake tensors (a 70B step takes about 30 s on 2 CPU "
@@ -255,9 +324,14 @@ class Compare:
         self.batch_size = W.IntSlider(value=8, min=1, max=64, description="batch", **s)
         self.seq_len = W.SelectionSlider(options=[32, 64, 128, 256, 512], value=64, description="seq len", **s)
         self.run_button = W.Button(description="Run comparison", button_style="success", icon="play")
-        self.status, self.table, self.chart = W.HTML(""), W.Output(), W.Image(format="png", value=b"", width=720)
+        # one table, replaced as rows arrive (an Output cleared from the worker thread keeps stacking); no image until drawn
+        self.status, self.table = W.HTML(""), W.HTML("")
+        self.chart = W.Image(format="png", value=b"", width=720, layout=W.Layout(display="none"))
         self.run_button.on_click(lambda _: self.start())
-        self.run_button.add_class("tb-compare-run"); self.chart.add_class("tb-compare-chart")
+        for w, c in [(self.run_button, "tb-compare-run"), (self.chart, "tb-compare-chart"), (self.table, "tb-compare-table"),
+                     (self.status, "tb-compare-status"), (self.combos, "tb-compare-combos"), (self.steps, "tb-compare-steps"),
+                     (self.batch_size, "tb-compare-batch"), (self.seq_len, "tb-compare-seq-len")]:
+            w.add_class(c)
         self.widget = W.VBox([W.HBox([self.combos, W.VBox([self.method, self.steps, self.batch_size, self.seq_len, self.run_button])]),
                               self.status, self.table, self.chart])
 
@@ -277,6 +351,7 @@ class Compare:
         try: base = self.base_config().validate()
         except Exception as e: self.status.value = _err(str(e)); return
         self.run_button.disabled, self.status.value = True, f"running {len(self.combos.value)} combinations…"
+        self.table.value, self.chart.layout.display = "", "none"
         self.thread = threading.Thread(target=self._run, args=(base, list(self.combos.value)), daemon=True); self.thread.start()
 
     def _run(self, base, combos):
@@ -288,9 +363,10 @@ class Compare:
         finally: self.run_button.disabled = False
 
     def _show(self, df):
+        "Replace the table and the chart with the rows so far (called from the worker thread)."
         self.frame = df
-        self.table.clear_output(); self.table.append_display_data(df)
-        self.chart.value = compare_png(df)
+        self.table.value = _table(df, once=("peak_how",))
+        self.chart.value = compare_png(df); self.chart.layout.display = None
 
     def wait(self, timeout=None):
         if self.thread is not None: self.thread.join(timeout)
