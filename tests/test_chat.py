@@ -102,3 +102,37 @@ def test_errors_and_help(tmp_path, capsys):
     h = capsys.readouterr().out
     for flag in ("--prompt", "--temperature", "--top-k", "--top-p", "--max-new-tokens", "--seed", "--system-prompt", "--no-chat-template"):
         assert flag in h
+
+
+@pytest.mark.parametrize("flags,want", [
+    (["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
+    (["--temperature", "-1"], "--temperature -1.0: must be >= 0"),
+    (["--temperature", "nan"], "--temperature nan: must be >= 0"),
+    (["--top-k", "0"], "--top-k 0: must be >= 1"),
+    (["--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
+    (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "tpu"], "--device"),
+])
+def test_bad_sampling_flags_refused_before_loading(flags, want, capsys, monkeypatch):
+    """N2: each bad flag is one line naming it, exit 2, and the model is never loaded (it used to be a traceback after loading)."""
+    import tunebook.chat as chat
+    monkeypatch.setattr(chat, "load_for_chat", lambda *a, **k: pytest.fail("loaded the model before checking the flags"))
+    for run in (lambda: generate_main([str(EMBEDDED_DIR), "--prompt", "1+1=", *flags]),
+                lambda: chat_main([str(EMBEDDED_DIR), *flags], input_fn=_feed(["1+1="]))):
+        assert run() == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and want in err[0], err
+
+
+def test_generation_stops_at_the_context(capsys):
+    """N3: asked for more tokens than the context holds, generate caps them there and says so (it used to run past the
+    context, allocating the whole cache up front, and print garbage); a prompt longer than the context is refused."""
+    model, tok = load_hf(EMBEDDED_DIR), load_tokenizer(EMBEDDED_DIR)
+    context = model.config.max_seq_len
+    out = io.StringIO()
+    assert generate_main([str(EMBEDDED_DIR), "--prompt", "copy ab=", "--max-new-tokens", "1000000"], out=out) == 0
+    err = capsys.readouterr().err
+    n_prompt = len(encode_prompt(tok, [{"role": "user", "content": "copy ab="}], True))
+    assert f"--max-new-tokens 1000000 capped at {context - n_prompt}" in err
+    assert generate_main([str(EMBEDDED_DIR), "--prompt", "ab " * context]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"the model's context is {context}" in err[0], err

@@ -357,3 +357,23 @@ def test_grpo_async_gives_the_callers_thread_count_back(tiny, tmp_path):
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_data_file_is_scored_by_its_own_answers(tmp_path):
+    """N6: `grpo --data FILE` scored every completion with the synthetic add task's checker (the default task), so a file's
+    multi-line answers scored 0 and the run learned nothing. Now: exact match on --answer-field; an explicit --task's
+    checker, or --reward, when asked for."""
+    import json
+    from tunebook.grpo.rollout import AnswerReward, TaskReward
+    from tunebook.checkpoint import load_embedded
+    rows = [dict(prompt=f"say {i}", answer=f"line one {i}\nline two") for i in range(12)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    def setup(**kw):
+        t = GRPOTrainer(GRPOConfig(data=str(tmp_path / "rows.jsonl"), max_steps=1, group_size=2, prompts_per_step=1, eval_samples=2,
+                                   max_new_tokens=4, output_dir=str(tmp_path / f"run{len(kw)}"), **kw), *load_embedded())
+        return t.setup().objective.reward_fn
+    reward = setup()
+    assert isinstance(reward, AnswerReward)
+    assert reward("line one 3\nline two\n", rows[3]) == 1.0 and reward("line one 3", rows[3]) == 0.0
+    assert isinstance(setup(task="add"), TaskReward)   # asked for: the task's checker
+    assert GRPOConfig().task is None   # the synthetic default (add) is chosen where no file is given

@@ -509,6 +509,12 @@ BAD = [  # (argv, what the one-line error must contain)
     (["finetune", "--min-lr-ratio", "2"], "--min-lr-ratio"),
     (["finetune", "--eval-fraction", "1"], "--eval-fraction"),
     (["finetune", "--lora-rank", "4096"], "--lora-rank"),                      # O11: wider than the model
+    (["finetune", "--max-grad-norm", "nan"], "--max-grad-norm"),               # N1: NaN passed every range check
+    (["finetune", "--lora-alpha", "nan"], "--lora-alpha"),                     # N1
+    (["finetune", "--lr", "inf"], "--lr"),                                     # N1
+    (["dpo", "--beta", "nan"], "--beta"),                                      # N1
+    (["distill", "--temperature", "nan"], "--temperature"),                    # N1
+    (["grpo", "--temperature", "nan"], "--temperature"),                       # N1
     (["finetune", "--max-seq-len", "100000"], "--max-seq-len"),                # D36: beyond the model's context
     (["finetune", "--data", "{env}"], "folder"),                               # D4: a folder, not a file
     (["finetune", "--data", "{env}/nope.jsonl"], "nope.jsonl"),
@@ -548,6 +554,19 @@ def test_bad_value_is_one_clear_line_before_any_work(env, argv, want, capsys):
     assert rc == 2, err
     assert len(err) == 1 and want in err[0], err
     assert not out.exists(), sorted(p.name for p in out.rglob("*"))
+
+
+@pytest.mark.parametrize("cmd", [c for c in COMMANDS if c in OBJECTIVES])
+def test_every_float_option_must_be_finite(cmd):
+    """N1: NaN or infinity in any float option of any objective's config is refused by name (a range check alone lets NaN by)."""
+    spec = OBJECTIVES[cmd]
+    floats = [f.name for f in dataclasses.fields(spec.config) if isinstance(getattr(spec.config(), f.name), float)
+              or "float" in str(f.type)]
+    assert floats, cmd
+    for name in floats:
+        for bad in (float("nan"), float("inf")):
+            with pytest.raises(ValueError, match=re.escape(f"{name}={bad!r}") + ".* must be a finite number"):
+                spec.config(**{name: bad}).validate()
 
 
 def test_compare_exits_nonzero_when_every_combination_fails(env, capsys, monkeypatch):

@@ -260,3 +260,15 @@ def test_preference_batches_built_ahead_give_the_same_steps(tiny, tmp_path, kind
         return out
     plain = run(False, "plain")
     assert run(True, "ahead") == plain and plain[-1] != plain[0]   # equal, and the policy moved (it starts at the reference)
+
+
+def test_a_pair_with_one_answer_twice_is_refused_naming_its_line(tmp_path, capsys):
+    """N4: a pair whose chosen and rejected answers are the same kept DPO's loss at ln 2 for the whole run, reported ok."""
+    import json
+    from tunebook.cli import main
+    rows = [dict(prompt="2+2=", chosen="4", rejected="5"), dict(prompt="3+3=", chosen="6", rejected=" 6"), dict(prompt="1+1=", chosen="2", rejected="3")]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rc = main(["dpo", "--data", str(tmp_path / "pairs.jsonl"), "--max-steps", "1", "--eval-samples", "0", "--output-dir", str(tmp_path / "run")])
+    err = [l for l in capsys.readouterr().err.strip().splitlines() if not l.startswith("tunebook: warning")]
+    assert rc == 2 and len(err) == 1, err
+    assert "pairs.jsonl' line 2" in err[0] and "same answer" in err[0], err

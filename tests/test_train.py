@@ -50,6 +50,16 @@ def test_resume_refuses_changed_options(tok, tmp_path):
         _trainer(tok, tmp_path / "b", resume=True, lr=1e-4).setup()
 
 
+def test_resume_refuses_a_checkpoint_past_max_steps(tok, tmp_path):
+    """N5: resuming a 4-step checkpoint with --max-steps 2 ran no step and exported the 4-step model under a config saying 2."""
+    b = _trainer(tok, tmp_path / "b").setup()
+    for _ in range(4): b.train_step()
+    b.save_checkpoint()
+    with pytest.raises(ValueError, match="it is at step 4, past --max-steps 2. Raise --max-steps"):
+        _trainer(tok, tmp_path / "b", resume=True, max_steps=2).setup()
+    assert _trainer(tok, tmp_path / "b", resume=True, max_steps=4).setup().step == 4   # equal: nothing left, nothing wrong
+
+
 def test_grad_accumulation_equals_big_batch(tok, tmp_path):
     """Two micro-batches of 4 give the same step as one batch of 8 (loss normalised over all tokens)."""
     a = _trainer(tok, tmp_path / "a", method="full", batch_size=8).setup()

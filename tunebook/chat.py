@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 import torch
 
 from .checkpoint import load_hf
-from .core import get_dtype
+from .core import get_device, get_dtype
 from .data import encode_prompt
 from .generate import sample_next
 from .tokenizer import load_tokenizer
@@ -101,14 +102,38 @@ def _parser(prog: str, desc: str, temperature: float, top_p: float | None) -> ar
     ap.add_argument("--no-chat-template", action="store_true", help="send the text as is, without the tokenizer's chat template")
     return ap
 
-def _reply(model, tok, messages, args, out) -> str:
+def _problems(args) -> list[str]:
+    "What is wrong with the sampling and device flags, each with its fix: checked before the model is loaded."
+    bad = []
+    if args.max_new_tokens < 1: bad.append(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
+    if not math.isfinite(args.temperature) or args.temperature < 0: bad.append(f"--temperature {args.temperature}: must be >= 0 (0 = greedy)")
+    if args.top_k is not None and args.top_k < 1: bad.append(f"--top-k {args.top_k}: must be >= 1 (leave it out to keep every token)")
+    if args.top_p is not None and not 0 < args.top_p <= 1: bad.append(f"--top-p {args.top_p}: must be in (0, 1] (leave it out to keep every token)")
+    try: get_device(args.device)
+    except (ValueError, RuntimeError) as e: bad.append(f"--device {args.device}: {e}")
+    return bad
+
+def _room(model, prompt: list[int], args, prog: str) -> int:
+    "New tokens that fit the model's context after `prompt`: --max-new-tokens, capped (with a note) at the context."
+    context = model.config.max_seq_len
+    if len(prompt) >= context:
+        raise ValueError(f"the prompt is {len(prompt)} tokens, and the model's context is {context}: shorten the prompt "
+                         "(or /reset the conversation)")
+    room = context - len(prompt)
+    if args.max_new_tokens > room:
+        print(f"{prog}: note: --max-new-tokens {args.max_new_tokens} capped at {room}: the model's context is {context} tokens "
+              f"and the prompt takes {len(prompt)}", file=sys.stderr)
+    return min(args.max_new_tokens, room)
+
+def _reply(model, tok, messages, args, out, prog: str = "tunebook generate") -> str:
     "Stream one reply to `out` and return its text."
     stop = stop_ids(tok)
     use_template = bool(tok.chat_template) and not args.no_chat_template
     prompt = encode_prompt(tok, messages, use_template)   # without a template: the plain layout, as in training
+    n_new = _room(model, prompt, args, prog)
     gen = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(args.seed)
     pieces = []
-    for piece in stream_text(tok, stream_tokens(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+    for piece in stream_text(tok, stream_tokens(model, prompt, n_new, args.temperature, args.top_k, args.top_p,
                                                 stop, gen), stop):
         out.write(piece); out.flush(); pieces.append(piece)
     out.write("\n"); out.flush()
@@ -122,17 +147,20 @@ def generate_main(argv: list[str] | None = None, out=None) -> int:
     ap = _parser("tunebook generate", "Answer one prompt with a model folder or a run folder, streaming the tokens.", 0.0, None)
     ap.add_argument("--prompt", required=True, help="the user's message; '-' reads it from standard input")
     args = ap.parse_args(argv)
+    if bad := _problems(args): print(f"tunebook generate: error: {'; '.join(bad)}", file=sys.stderr); return 2
     out = out or sys.stdout
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
-    try: model, tok, _ = load_for_chat(args.model, args.dtype, args.device)
+    try:
+        model, tok, _ = load_for_chat(args.model, args.dtype, args.device)
+        _reply(model, tok, _messages(args, text), args, out)
     except (FileNotFoundError, ValueError) as e: print(f"tunebook generate: error: {e}", file=sys.stderr); return 2
-    _reply(model, tok, _messages(args, text), args, out)
     return 0
 
 def chat_main(argv: list[str] | None = None, input_fn=input, out=None) -> int:
     "`tunebook chat MODEL`: a conversation in the terminal; each line is a user turn, the reply streams back."
     ap = _parser("tunebook chat", "Chat with a model folder or a run folder. /reset starts over, /exit or end of input leaves.", 0.7, 0.9)
     args = ap.parse_args(argv)
+    if bad := _problems(args): print(f"tunebook chat: error: {'; '.join(bad)}", file=sys.stderr); return 2
     out = out or sys.stdout
     try: model, tok, what = load_for_chat(args.model, args.dtype, args.device)
     except (FileNotFoundError, ValueError) as e: print(f"tunebook chat: error: {e}", file=sys.stderr); return 2
@@ -147,6 +175,7 @@ def chat_main(argv: list[str] | None = None, input_fn=input, out=None) -> int:
         if line.strip() == "/reset": history = []; continue
         if not line.strip(): continue
         msgs = (_messages(args, line) if not history else history + [{"role": "user", "content": line}])
-        reply = _reply(model, tok, msgs, args, out)
+        try: reply = _reply(model, tok, msgs, args, out, "tunebook chat")
+        except ValueError as e: print(f"tunebook chat: error: {e}", file=sys.stderr); continue
         history = msgs + [{"role": "assistant", "content": reply}]
     return 0

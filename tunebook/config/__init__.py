@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass
 
@@ -43,9 +44,14 @@ class Part:
 
     def validate(self):
         "Refuse impossible options before any work is done: every problem in one error."
-        bad = self.problems()
+        bad = self.not_finite() + self.problems()
         if bad: raise ValueError(f"invalid {self._kind} options:\n  - " + "\n  - ".join(bad))
         return self
+
+    def not_finite(self) -> list[str]:
+        "Every float option that is NaN or infinite: each would pass a range check (`nan < 0` is False) and break step 1."
+        return [f"{self.opt(f.name)} must be a finite number" for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), float) and not math.isfinite(getattr(self, f.name))]
 
     def opt(self, k: str) -> str:
         "`name=value (--flag)`: how an error names an option for both Python and CLI users."

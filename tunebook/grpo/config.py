@@ -12,9 +12,10 @@ from ..config import AdapterPart, MemoryPart, ModelPart, Part, RunPart, SourcePa
 from .loss import LOSS_TYPES
 
 # %% auto #0
-__all__ = ['OFFPOLICY', 'GENERATORS', 'GRPOPart', 'GRPOConfig']
+__all__ = ['GRPO_TASK', 'OFFPOLICY', 'GENERATORS', 'GRPOPart', 'GRPOConfig']
 
 # %% ../../nbs/15_grpo.ipynb #e8f0e2cf
+GRPO_TASK = "add"   # the synthetic task of a run given neither --task nor --data
 OFFPOLICY = ("none", "recompute", "tis")
 GENERATORS = ("torch", "vllm")
 
@@ -69,7 +70,7 @@ class GRPOPart(Part):
 @dataclass
 class GRPOConfig(ModelPart, SourcePart, AdapterPart, StepPart, MemoryPart, RunPart, GRPOPart):
     "A GRPO run: model, prompt source, adapter, optimisation, memory and run parts, plus GRPO's own."
-    task: str | None = "add"           # synthetic task: the embedded model solves ~45%, so rewards vary within groups
+    task: str | None = None            # synthetic task whose prompts and checker drive the run (None: add, which the embedded model solves ~45%, so rewards vary within groups); with --data, its checker scores the file's rows (None: exact match on --answer-field)
     lr: float | None = None            # AdamW's peak learning rate; None: the recipe's for the model and method (embedded 5e-4: 2e-3 lowered its held-out reward; a real model: LoRA 3e-4, full 1.5e-5), reported in the log
     max_steps: int = 300               # ~35 s on 2 cores: held-out reward 0.50 -> 0.58 (100 steps: 0.55)
     warmup_steps: int = 0

@@ -16,11 +16,11 @@ from ..data import IGNORE_INDEX, make_task
 from ..logprobs import Reference
 from ..rundir import warn
 from ..train import Objective, ObjectiveSpec, RunData, Trainer, _prompt_messages, encode_prompt
-from .rollout import (AnswerReward, PACKED_KEYS, evaluate_reward, group_logprobs, load_reward, rollout_tensors,
-                                   sample_groups)
+from .rollout import (AnswerReward, PACKED_KEYS, TaskReward, evaluate_reward, group_logprobs, load_reward,
+                                   rollout_tensors, sample_groups)
 from .loss import group_advantages, grpo_loss, loss_units
 from .workers import GeneratorPool
-from .config import GRPOConfig
+from .config import GRPO_TASK, GRPOConfig
 
 # %% auto #0
 __all__ = ['GRPO_SPEC', 'prompt_rows', 'GRPO', 'GRPOTrainer', 'run_grpo']
@@ -91,11 +91,10 @@ class GRPO(Objective):
 
     def prepare_data(self, tr):
         c, task = tr.config, tr.config.task
-        if task is None and c.data is None and (self.prompts is None or (self.reward_fn is None and c.reward is None)):
-            from tunebook.tasks import FINETUNE_TASK
-            task = FINETUNE_TASK
-        default = AnswerReward(c.answer_field) if c.data is not None and task is None else None
-        self.reward_fn = self.reward_fn or default or load_reward(c.reward, task)   # a bad --reward is refused early
+        if task is None and c.data is None: task = GRPO_TASK   # no file: the synthetic task's prompts and checker
+        if self.reward_fn is None:   # a function given in Python, else --reward, else the file's answers, else the task's checker
+            self.reward_fn = (load_reward(c.reward, task) if c.reward is not None       # a bad --reward is refused early
+                              else AnswerReward(c.answer_field) if c.data is not None and task is None else TaskReward(task))
         if self.prompts is None or self.eval_prompts is None:
             train, evals = prompt_rows(c, tr.tokenizer, task)
             self.prompts = self.prompts if self.prompts is not None else train

@@ -150,6 +150,9 @@ def preference_example(row: dict, where: str = "row", prompt_field: str = "promp
     if prefixes[0] != prefixes[1]:
         raise ValueError(f"{where}: {chosen_field!r} and {rejected_field!r} have different turns before the answer; they must "
                          "share one prompt.")
+    if answers[0].strip() == answers[1].strip():
+        raise ValueError(f"{where}: {chosen_field!r} and {rejected_field!r} are the same answer, so the pair teaches nothing (its "
+                         "DPO loss stays at ln 2): fix the rejected answer or remove the row.")
     prompt = prompt + prefixes[0]
     if not prompt: raise ValueError(f"{where}: no prompt: give a {prompt_field!r} column, or chosen/rejected as message lists.")
     return with_system(prompt, system_prompt), answers[0], answers[1]

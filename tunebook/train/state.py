@@ -117,6 +117,9 @@ def _check_same_run(self: Trainer, path: Path, prog: dict):
         raise ValueError(f"cannot resume from {path}: options differ from the run that wrote it: "
                          + ", ".join(f"{k} was {a!r}, now {b!r}" for k, (a, b) in changed.items())
                          + ". Use the same options, or start a new run in another --output-dir.")
+    if prog.get("step", 0) > self.config.max_steps:   # the loop would not run, and the exported model would be the later one
+        raise ValueError(f"cannot resume from {path}: it is at step {prog['step']}, past --max-steps {self.config.max_steps}. "
+                         "Raise --max-steps to continue it, or start a new run in another --output-dir.")
     if (msg := resume_problem(saved, self.precision)): raise ValueError(f"cannot resume from {path}: {msg}")
     was, now_sha = prog.get("data_sha256"), self.data_sha256
     if was and now_sha and was != now_sha:
