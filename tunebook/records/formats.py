@@ -150,7 +150,7 @@ def preference_example(row: dict, where: str = "row", prompt_field: str = "promp
     if prefixes[0] != prefixes[1]:
         raise ValueError(f"{where}: {chosen_field!r} and {rejected_field!r} have different turns before the answer; they must "
                          "share one prompt.")
-    if answers[0].strip() == answers[1].strip():
+    if chosen_field != rejected_field and answers[0].strip() == answers[1].strip():   # (KTO reads one column as both)
         raise ValueError(f"{where}: {chosen_field!r} and {rejected_field!r} are the same answer, so the pair teaches nothing (its "
                          "DPO loss stays at ln 2): fix the rejected answer or remove the row.")
     prompt = prompt + prefixes[0]
