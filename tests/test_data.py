@@ -493,3 +493,16 @@ def test_preference_forms(tmp_path):
     assert preference_example({"prompt": "q", "chosen": "1e5", "rejected": "100000.0"}) == ([{"role": "user", "content": "q"}], "1e5", "100000.0")
     with pytest.raises(ValueError, match="different turns before the answer"):
         preference_example({"chosen": conv[0]["chosen"], "rejected": conv[1]["rejected"]})
+
+
+def test_a_json_array_named_jsonl_says_rename_it(tmp_path):
+    """N8: a JSON array saved as .jsonl was refused as 'not valid JSON' on line 1, with no word of the fix; the .json
+    name loads it (the same rows)."""
+    import json
+    from tunebook.records import load_records
+    rows = [{"prompt": "a", "response": "b"}, {"prompt": "c", "response": "d"}]
+    (tmp_path / "rows.jsonl").write_text(json.dumps(rows, indent=1))
+    with pytest.raises(ValueError, match="holds one JSON array, not JSON Lines.*rename it to rows.json"):
+        load_records(tmp_path / "rows.jsonl")
+    (tmp_path / "rows.jsonl").rename(tmp_path / "rows.json")
+    assert list(load_records(tmp_path / "rows.json")) == rows

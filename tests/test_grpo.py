@@ -377,3 +377,33 @@ def test_a_data_file_is_scored_by_its_own_answers(tmp_path):
     assert reward("line one 3\nline two\n", rows[3]) == 1.0 and reward("line one 3", rows[3]) == 0.0
     assert isinstance(setup(task="add"), TaskReward)   # asked for: the task's checker
     assert GRPOConfig().task is None   # the synthetic default (add) is chosen where no file is given
+
+
+class _Flaky:
+    "A user's reward that works for `good` calls, then raises (or returns `bad`)."
+    def __init__(self, good, bad="raise"): self.calls, self.good, self.bad = 0, good, bad
+    def __call__(self, completion, row):
+        self.calls += 1
+        if self.calls <= self.good: return float(len(completion) % 2)
+        if self.bad == "raise": raise KeyError("score")
+        return self.bad
+
+
+@pytest.mark.parametrize("bad", ["raise", float("nan"), "high", None], ids=["raises", "nan", "a-word", "none"])
+def test_a_failing_reward_names_itself_and_keeps_the_trained_steps(tmp_path, bad):
+    """N7: a reward that raised at step 3 lost the trained steps, and the error said only "error: score"; NaN, a word or
+    None were tracebacks or blamed --lr. Now: one error naming the function, the row and the value; the last good state
+    is kept as a checkpoint, summary.json says failed, and the run resumes from it."""
+    import json
+    from tunebook.checkpoint import load_embedded
+    from tunebook.rundir import UserCodeError
+    kw = dict(max_steps=4, group_size=2, prompts_per_step=2, max_new_tokens=4, eval_samples=2, output_dir=str(tmp_path / "run"))
+    per_step, evals = 2 * 2, 2   # rollouts of 2 prompts x 2 samples; eval before on 2 prompts
+    reward = _Flaky(good=evals + 2 * per_step, bad=bad)   # the eval before and two steps' rollouts score; step 3's does not
+    t = GRPOTrainer(GRPOConfig(**kw), *load_embedded(), reward_fn=reward)
+    with pytest.raises(UserCodeError, match=r"the reward function test_grpo._Flaky.* on the row whose prompt is .*Stopped: the last good checkpoint is .*step_0*2;"):
+        t.fit(progress=False)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["last_good_checkpoint"]
+    again = GRPOTrainer(GRPOConfig(**kw, resume=True), *load_embedded(), reward_fn=lambda c, r: 1.0).setup()
+    assert again.step == 2

@@ -140,3 +140,13 @@ def test_eval_main_writes_results(tasks, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert eval_main([str(tmp_path / "run"), "--tasks", "no_such_task", "--include-path", str(d)]) == 2
     assert "unknown lm_eval task" in capsys.readouterr().err
+
+
+def test_eval_of_a_run_that_wrote_no_model_says_so(tmp_path):
+    """N11: `eval` on a failed run's folder read the run's own config.json as a model's: "unsupported architecture [None]"."""
+    import json
+    from tunebook.lmeval import model_folder
+    (tmp_path / "config.json").write_text(json.dumps({"lr": 0.1, "max_steps": 5}))
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "failed"}))
+    with pytest.raises(FileNotFoundError, match="is a run folder without model/ .* resume this one with --resume"):
+        model_folder(tmp_path)

@@ -190,3 +190,33 @@ def test_finetune_eval_tasks_scores_into_summary(tmp_path):
             assert metric in got and got[metric] == want[t][metric], (when, t, got, want[t])
     r = cli("finetune", "--eval-tasks", "no_such_task_h2", "--eval-include-path", tasks, "--output-dir", tmp_path / "never")
     assert r.returncode == 2 and "no_such_task_h2" in r.stderr and not (tmp_path / "never").exists(), r.stderr
+
+
+def test_config_cp_into_a_missing_folder_and_list_into_a_closed_pipe(tmp_path, capsys):
+    """N9: `config cp` into a missing folder printed a raw errno; `config list | head` could end in a broken-pipe traceback."""
+    import subprocess, sys
+    from tunebook.recipes import config_main
+    assert config_main(["cp", "embedded-lora", str(tmp_path / "no" / "such" / "x.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not exist: create it first (mkdir -p" in err[0] and "Errno" not in err[0], err
+    many = ("import tunebook.recipes as R; R.list_recipes = lambda: [dict(name=f'r{i}', command='finetune', model='m') "
+            "for i in range(100000)]; raise SystemExit(R.config_main(['list']))")
+    r = subprocess.run(f'{sys.executable} -c "{many}" | head -1', shell=True, capture_output=True, text=True)
+    assert r.stdout.strip() and "Broken pipe" not in r.stderr and "BrokenPipe" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-500:]
+
+
+@pytest.mark.parametrize("text,want", [
+    ("base: &b {lr: 0.001}\n<<: *b\n", "line 2: merge keys (<<) are not read"),
+    ("? [a, b]\n: 1\n", "line 1: a key must be an option name, not a list"),
+    ("lr: 0.001\nlora_targets: &t [q_proj, v_proj]\nmax_steps: 5\n" + "".join(
+        f"x{i}: &x{i} [" + ", ".join([f"*x{i-1}" if i else "q"] * 9) + "]\n" for i in range(8)) + "eval_every: *x7\n",
+     "anchors and aliases (&name, *name) are not read"),
+])
+def test_yaml_merge_keys_complex_keys_and_alias_bombs_are_one_line(tmp_path, capsys, text, want):
+    """N10: merge keys and complex keys were tracebacks; an alias bomb as a value expanded to hundreds of millions of
+    strings in the error message. Now each is a problem naming its line, found without expanding anything."""
+    from tunebook.cli import main
+    (tmp_path / "c.yaml").write_text(text)
+    assert main(["finetune", "--config", str(tmp_path / "c.yaml"), "--output-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert want in err and len(err) < 2000 and "Traceback" not in err, err[:2000]

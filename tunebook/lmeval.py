@@ -40,7 +40,11 @@ def model_folder(path, revision=None) -> Path:
     if not p.exists() and "/" in str(path) and not str(path).startswith((".", "/", "~")):
         p = resolve_model(str(path), revision)   # a hub name: downloaded, or from the cache offline
     if (p / "model" / "config.json").is_file(): return p / "model"   # a run folder (its own config.json is the run's)
-    if (p / "config.json").is_file(): return p
+    if (p / "config.json").is_file():
+        if (p / "summary.json").is_file() or (p / "log.txt").is_file():   # a run folder whose run wrote no model
+            raise FileNotFoundError(f"{str(p)!r} is a run folder without model/ (its run did not finish: see its summary.json or "
+                                    "log.txt); evaluate a finished run, or resume this one with --resume")
+        return p
     if not p.exists(): raise FileNotFoundError(f"{str(p)!r} does not exist; pass a model folder (config.json + weights), a run folder or a hub name ORG/NAME.")
     raise FileNotFoundError(f"{str(p)!r} holds no config.json and no model/config.json: pass a Hugging Face model folder or a "
                             "tunebook run folder (written by `tunebook finetune`).")

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['RunError', 'FolderInUse', 'NonFiniteError', 'SaveFailed', 'warn', 'check_output_dir', 'RunLock', 'clean_leftovers',
-           'data_fingerprint', 'nonfinite_report']
+__all__ = ['RunError', 'FolderInUse', 'NonFiniteError', 'UserCodeError', 'SaveFailed', 'warn', 'check_output_dir', 'RunLock',
+           'clean_leftovers', 'data_fingerprint', 'nonfinite_report']
 
 # %% ../nbs/11_training_loop.ipynb #5c31a84f
 class RunError(RuntimeError):
@@ -28,6 +28,10 @@ class FolderInUse(RunError): "Another live process owns the output folder."
 
 class NonFiniteError(RunError):
     "The loss or the gradient norm became NaN or infinite; the step was not applied."
+    exit_code = 3
+
+class UserCodeError(RunError):
+    "A function of the user's (a reward, a callback) raised, or returned what the run cannot use; the step was not applied."
     exit_code = 3
 
 class SaveFailed(RunError):

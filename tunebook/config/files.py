@@ -106,6 +106,14 @@ def check_value(key: str, value, ann):
     return value
 
 # %% ../../nbs/11_training_loop.ipynb #1779c8f7
+def _aliased(node, seen=None) -> bool:
+    "Whether a composed YAML node reaches any node twice (an alias): checked in time linear in the file, never expanded."
+    seen = set() if seen is None else seen
+    if id(node) in seen: return True
+    seen.add(id(node))
+    kids = node.value if isinstance(node, yaml.SequenceNode) else [n for kv in node.value for n in kv] if isinstance(node, yaml.MappingNode) else []
+    return any(_aliased(k, seen) for k in kids)
+
 def read_yaml(path, cls, command: str | None = None) -> dict:
     "The options of YAML file `path` for config class `cls`, checked: unknown keys and wrong types are errors naming the key, the file and the line."
     path = Path(path)
@@ -122,8 +130,14 @@ def read_yaml(path, cls, command: str | None = None) -> dict:
     allowed = list(fields)
     loader, out, seen, bad = yaml.SafeLoader(""), {}, {}, []
     for knode, vnode in node.value:
+        where = f"line {knode.start_mark.line + 1}"
+        if knode.tag == "tag:yaml.org,2002:merge":
+            bad.append(f"{where}: merge keys (<<) are not read in a config file: write the options out"); continue
+        if not isinstance(knode, yaml.ScalarNode):
+            bad.append(f"{where}: a key must be an option name, not a {'list' if isinstance(knode, yaml.SequenceNode) else 'mapping'}"); continue
+        if _aliased(vnode):   # a value that repeats a node: what YAML bombs are made of, never needed by an option
+            bad.append(f"{where}: anchors and aliases (&name, *name) are not read in a config file: write the value out"); continue
         line, key = knode.start_mark.line + 1, loader.construct_object(knode)
-        where = f"line {line}"
         if key in seen: bad.append(f"{where}: {key!r} is set twice (first on line {seen[key]})"); continue
         seen[key] = line
         try: value = loader.construct_object(vnode, deep=True)

@@ -5,17 +5,21 @@
 # %% ../../nbs/15_grpo.ipynb #938644cb
 from __future__ import annotations
 
+import math
+import numbers
+
 import numpy as np
 import torch
 
 from ..data import IGNORE_INDEX, check_answer, get_task
 from ..logprobs import hidden_logprobs
 from ..generate import generate
+from ..rundir import UserCodeError
 from ..train import encode_prompt, stop_ids
 
 # %% auto #0
-__all__ = ['PACKED_KEYS', 'TaskReward', 'AnswerReward', 'load_reward', 'pack_groups', 'tree_mask', 'group_logprobs',
-           'rollout_tensors', 'sample_groups', 'evaluate_reward']
+__all__ = ['PACKED_KEYS', 'TaskReward', 'AnswerReward', 'call_reward', 'load_reward', 'pack_groups', 'tree_mask',
+           'group_logprobs', 'rollout_tensors', 'sample_groups', 'evaluate_reward']
 
 # %% ../../nbs/15_grpo.ipynb #a19fcb87
 class TaskReward:
@@ -29,6 +33,17 @@ class AnswerReward:
     def __init__(self, field: str = "answer"): self.field = field
     def __call__(self, completion: str, row: dict) -> float: return float(completion.strip() == str(row[self.field]).strip())
     def __repr__(self): return f"AnswerReward({self.field!r})"
+
+def call_reward(reward_fn, completion: str, row: dict) -> float:
+    "`reward_fn(completion, row)` as a float; a raise, or anything but a finite number, stops the run naming the function, the row and the value."
+    name = getattr(reward_fn, "__qualname__", None) or type(reward_fn).__qualname__   # a function, or an instance's class
+    name = f"{getattr(reward_fn, '__module__', None) or type(reward_fn).__module__}.{name}"
+    where = f"the row whose prompt is {str(row.get('prompt', ''))[:60]!r} (completion {completion[:40]!r})"
+    try: r = reward_fn(completion, row)
+    except Exception as e: raise UserCodeError(f"the reward function {name} raised {type(e).__name__}: {e} on {where}.") from e
+    if not isinstance(r, numbers.Real) or not math.isfinite(r):
+        raise UserCodeError(f"the reward function {name} returned {r!r} on {where}: it must return a finite number.")
+    return float(r)
 
 def load_reward(spec: str | None, task: str):
     "The reward function that `spec` ('module:function') names, checked to take (completion, row); or the task's checker."
@@ -115,7 +130,7 @@ def sample_groups(model, tokenizer, rows: list[dict],  # prompt rows: `messages`
     else: outs, lps = sampler.sample(prompts, n=group_size, max_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                      stop_token_ids=stops)
     texts = [tokenizer.decode([t for t in o if t not in stops], skip_special_tokens=True) for o in outs]
-    rewards = [float(reward_fn(t, rows[i // group_size])) for i, t in enumerate(texts)]
+    rewards = [call_reward(reward_fn, t, rows[i // group_size]) for i, t in enumerate(texts)]
     ro = pack_groups(prompts, outs, pad)
     old = np.zeros(ro["labels"].shape, dtype=np.float32)
     for n, l in enumerate(lps): old[n, :len(l)] = l
@@ -136,6 +151,6 @@ def evaluate_reward(model, tokenizer, rows: list[dict], reward_fn, max_new_token
         chunk = rows[i:i + batch_size]
         outs = generate(model, [encode_prompt(tokenizer, r["messages"], use_chat_template) for r in chunk], max_new_tokens, eos_id=stops,
                         pad_id=tokenizer.pad_id or 0)
-        total += sum(float(reward_fn(tokenizer.decode([t for t in o if t not in stops], skip_special_tokens=True), r))
+        total += sum(call_reward(reward_fn, tokenizer.decode([t for t in o if t not in stops], skip_special_tokens=True), r)
                      for o, r in zip(outs, chunk))
     return total / len(rows)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib.resources
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -84,8 +85,13 @@ def config_main(argv=None) -> int:
             src, dst = recipe_path(a.name), Path(a.file)
             if dst.is_dir(): dst = dst / src.name
             if dst.exists(): raise FileExistsError(f"{str(dst)!r} exists: choose another name or remove it first")
+            if not dst.parent.is_dir():
+                raise FileNotFoundError(f"the folder {str(dst.parent)!r} does not exist: create it first (mkdir -p {dst.parent}) or copy into one that does")
             shutil.copyfile(src, dst)
             print(f"copied {src.stem} to {dst}; run it with: tunebook {file_command(dst)} --config {dst}")
+    except BrokenPipeError:   # `tunebook config list | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (ValueError, OSError) as e:
         text = " ".join(str(e).split())
         print(f"tunebook config: error: {text}", file=sys.stderr)

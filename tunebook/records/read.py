@@ -53,6 +53,9 @@ def _decode(path: Path, data: bytes) -> str:
                          "encoding). Re-save the file as UTF-8.") from None
 
 def _read_jsonl(path: Path, text: str):
+    if text.lstrip().startswith("["):   # a whole JSON array: the rows are there, under the wrong name
+        raise ValueError(f"{str(path)!r} holds one JSON array, not JSON Lines (one object per line): rename it to "
+                         f"{path.with_suffix('.json').name} (an array of objects loads as .json), or write one object per line.")
     rows, where = [], []
     for n, line in enumerate(text.split("\n"), 1):
         if not line.strip(): continue

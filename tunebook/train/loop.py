@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from ..core import patch
 from ..config import TrainConfig
-from ..rundir import NonFiniteError, check_output_dir, clean_leftovers, warn
+from ..rundir import NonFiniteError, UserCodeError, check_output_dir, clean_leftovers, warn
 from .objective import ObjectiveSpec
 from .trainer import Trainer
 
@@ -70,9 +70,9 @@ def _fit_owned(self: Trainer, progress: bool) -> dict:
                 bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}")
                 self.log(row)
             if c.save_every and self.step % c.save_every == 0: self.save_checkpoint()
-    except NonFiniteError as e:
+    except (NonFiniteError, UserCodeError) as e:   # the step was not applied: keep the last good state
         bar.close()
-        raise self.fail(str(e)) from None
+        raise self.fail(str(e), type(e)) from None
     finally:   # generators, a batch built ahead and the like stop however the loop ends
         self.stop_prefetch(); obj.close(self)
     bar.close()

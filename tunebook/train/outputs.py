@@ -14,7 +14,7 @@ import torch
 
 from ..checkpoint import save_hf
 from ..core import count_params, patch
-from ..rundir import NonFiniteError
+from ..rundir import NonFiniteError, RunError
 from .state import _checkpoints
 from .trainer import Trainer
 
@@ -69,8 +69,8 @@ def run_stats(self: Trainer) -> dict:
                 stopped_early=self.step < self.config.max_steps)
 
 @patch
-def fail(self: Trainer, msg: str) -> NonFiniteError:
-    "After a non-finite step: keep a checkpoint of the last good step, write metrics and a failed summary; the error to raise."
+def fail(self: Trainer, msg: str, error: type = NonFiniteError) -> RunError:
+    "After a step that was not applied (non-finite, or user code that failed): keep a checkpoint of the last good step, write metrics and a failed summary; the error to raise."
     good = None
     if not self.config.optimizer_in_backward and self.step > 0:   # the bad step was not applied: this state is good
         good = self.save_checkpoint()
@@ -80,7 +80,7 @@ def fail(self: Trainer, msg: str) -> NonFiniteError:
     if self.is_main:
         self.metrics_frame().to_csv(self.out / "metrics.csv", index=False)
         (self.out / "summary.json").write_text(json.dumps(self.summary, indent=2))
-    return NonFiniteError(f"{msg} Stopped: {where}; no model was written.")
+    return error(f"{msg} Stopped: {where}; no model was written.")
 
 @patch
 def write_outputs(self: Trainer, last: Path | None = None):
