@@ -31,6 +31,7 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     "Only the adapter tensors of `model` (our names)."
     return {k: v for k, v in model.state_dict().items() if k.endswith(tuple("." + s for s in _KINDS))}
 
+# %% ../../nbs/06_lora.ipynb #370aa7ad
 def _atomic_write(path: Path, write):
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -75,6 +76,7 @@ def save_adapter(model: nn.Module, path,
     _atomic_write(path / "adapter_config.json", lambda p: p.write_text(json.dumps(cfg, indent=2)))
     return path
 
+# %% ../../nbs/06_lora.ipynb #fb452876
 def _read_adapter(path):
     root = check_dir(path, "adapter folder")
     cfg_file = root / "adapter_config.json"

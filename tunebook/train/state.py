@@ -36,6 +36,7 @@ def _set_rng_state(s: dict):
     kind, keys, pos, has_gauss, cached = s["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
+# %% ../../nbs/11_training_loop.ipynb #d5e33908
 @patch
 def _progress(self: Trainer) -> dict:
     "What progress.json holds: step, metrics, options, the baseline measurements and the data's fingerprint."
@@ -83,6 +84,7 @@ def _write_checkpoint(self: Trainer, final: Path):
 def _prune(self: Trainer, keep: int):
     for old in _checkpoints(self.out)[:-keep]: shutil.rmtree(old, ignore_errors=True)
 
+# %% ../../nbs/11_training_loop.ipynb #9519aad3
 def _checkpoints(out: Path) -> list[Path]:
     "Complete checkpoints (those with progress.json, written last), oldest first."
     return sorted(p.parent for p in (out / "checkpoints").glob("step_*/progress.json"))
@@ -102,6 +104,8 @@ def _save_distributed(self: Trainer, final: Path, keep: int) -> Path:
     return final
 
 # options that may change between a run and its resume; output_dir too, so a copied or moved run folder resumes
+
+# %% ../../nbs/11_training_loop.ipynb #42db4215
 _MAY_CHANGE = ("resume", "max_steps", "save_every", "eval_every", "log_every", "output_dir")
 
 @patch

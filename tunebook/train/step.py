@@ -67,6 +67,7 @@ def step_micro_batches(batches,                 # the step's micro-batches
         else: (loss / normalizer).backward()
         del loss
 
+# %% ../../nbs/11_training_loop.ipynb #8210badb
 @patch
 def _memory_tracker(self: Trainer):
     "A `MemoryTracker` watching the model and optimizer, or None when this step is not profiled."
@@ -83,6 +84,7 @@ def forward_context(self: Trainer):
     stack.enter_context(self.precision.autocast())   # backward stays outside it (torch's rule)
     return stack
 
+# %% ../../nbs/11_training_loop.ipynb #1edb4aff
 def _add_stats(acc: dict, stats: dict, weight: int):
     "Collect each stat's parts (kept on the device, no transfer): a tensor counts its elements, a float is a sum over `weight` units; *_max: the max."
     for k, v in stats.items():
@@ -123,6 +125,7 @@ def _mean_stats(acc: dict, world: int) -> dict:
         out.update({k: m[i].item() for i, k in enumerate(maxes)})
     return out
 
+# %% ../../nbs/11_training_loop.ipynb #38aa2bbd
 @patch
 def train_step(self: Trainer) -> dict:
     "One optimizer step over `grad_accum_steps` micro-batches of the objective; returns its metrics."
@@ -182,6 +185,7 @@ def train_step(self: Trainer) -> dict:
         if hasattr(cb, "on_step"): cb.on_step(self, row)
     return row
 
+# %% ../../nbs/11_training_loop.ipynb #8878d7bb
 @patch
 def clip_grads(self: Trainer) -> torch.Tensor:
     "Clip to max_grad_norm (when on) and return the gradient norm as a tensor on the device (no host sync)."
