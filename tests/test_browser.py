@@ -134,10 +134,12 @@ def test_lab_notebook_in_jupyterlab(lab_server):
             page.screenshot(path=str(SCREENSHOT.with_name("lab-failed.png")), full_page=True)
 
         def redrawn(before, model, seq_len, what):
-            """Wait until the chart was redrawn since `before` and the table shows the final estimate for `model` and `seq_len`
-            (the lab draws the chart, then the table, so the chart is final too), or an error shows; then check for none."""
+            """Wait until the chart and the table were both redrawn since `before` and the table shows the final estimate for
+            `model` and `seq_len`, or an error shows; then check for none. The lab sets the chart, then the table: a new chart
+            beside the old table is a moment in between (a preview's chart under the last final table), so the table must
+            have changed too; once it shows a final estimate, the chart set before it is final as well."""
             want = f"{model} · seq len {seq_len} · lora, bf16 · batch 1"   # not '... · computing…': the preview
-            try: page.wait_for_function(f"a => {{ const s = ({ABLATION})(); return s.red || (s.chart != a[0].chart && s.drawn == a[1]); }}",
+            try: page.wait_for_function(f"a => {{ const s = ({ABLATION})(); return s.red || (s.chart != a[0].chart && s.numbers != a[0].numbers && s.drawn == a[1]); }}",
                                         arg=[before, want], timeout=MS)   # red error text ends the wait at once
             except Exception as e:
                 failed(); raise AssertionError(f"{what}: the page never showed {want!r}; it shows {ablation()}") from e
