@@ -67,11 +67,7 @@ def _finetune(args) -> int:
     say(f"  {len(trainer.train_data)} training examples, {len(trainer.eval_data)} held out; "
           f"{trainer.n_trainable:,} trainable parameters", flush=True)
     say(f"  {trainer.recipe['recipe_report']}", flush=True)   # lr and batch size: the recipe's for this model where unset, and why
-    try:
-        s = trainer.fit(progress=not args.quiet)
-    except KeyboardInterrupt:
-        print("\ninterrupted: writing a checkpoint", file=sys.stderr)
-        say(f"  saved {trainer.save_checkpoint()}; continue with --resume"); return 130
+    s = trainer.fit(progress=not args.quiet)   # Ctrl-C or SIGTERM: a checkpoint, then `Interrupted` naming it (exit 130/143)
     say(f"  held-out exact match: {s['eval_accuracy_before']:.1%} -> {s['eval_accuracy_after']:.1%}")
     say(f"  {s['tokens_per_second']:.0f} tokens/s, peak memory {human_bytes(s['peak_memory_bytes'])} "
           f"({s['peak_memory_measured_by']}), {time.perf_counter() - t0:.0f} s in all")
@@ -276,6 +272,8 @@ def main(argv=None) -> int:
         args = _parse(parser, argv)
         args.argv = argv
         return args.func(args) or 0
+    except KeyboardInterrupt:   # before or after a run's loop (the loop itself saves and raises Interrupted)
+        print(f"\ntunebook {args.command}: interrupted", file=sys.stderr); return 130
     except (ValueError, OSError, RunError, HubError) as e:   # a bad file, folder, option, data or checkpoint; a run's fault (anything else is a bug: its traceback)
         print(f"tunebook {args.command}: error: {one_line(e)}", file=sys.stderr)
         return getattr(e, "exit_code", 2)

@@ -10,14 +10,17 @@ import json
 import math
 import os
 import shutil
+import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['RunError', 'FolderInUse', 'NonFiniteError', 'UserCodeError', 'SaveFailed', 'warn', 'check_output_dir', 'RunLock',
-           'clean_leftovers', 'data_fingerprint', 'nonfinite_report']
+__all__ = ['WRITE_ERRORS', 'RunError', 'FolderInUse', 'StepFailed', 'NonFiniteError', 'UserCodeError', 'SaveFailed',
+           'Interrupted', 'warn', 'check_output_dir', 'RunLock', 'clean_leftovers', 'write_problem', 'write_atomic',
+           'StopRequests', 'data_fingerprint', 'nonfinite_report']
 
 # %% ../nbs/11_training_loop.ipynb #5c31a84f
 class RunError(RuntimeError):
@@ -26,17 +29,21 @@ class RunError(RuntimeError):
 
 class FolderInUse(RunError): "Another live process owns the output folder."
 
-class NonFiniteError(RunError):
-    "The loss or the gradient norm became NaN or infinite; the step was not applied."
+class StepFailed(RunError):
+    "A step could not be made; the loop keeps the last good state as a checkpoint and says where (exit 3)."
     exit_code = 3
 
-class UserCodeError(RunError):
-    "A function of the user's (a reward, a callback) raised, or returned what the run cannot use; the step was not applied."
-    exit_code = 3
+class NonFiniteError(StepFailed): "The loss or the gradient norm became NaN or infinite; the step was not applied."
+
+class UserCodeError(StepFailed): "A function of the user's (a reward, a callback) raised, or returned what the run cannot use."
 
 class SaveFailed(RunError):
-    "A checkpoint could not be written where it belongs (it was written elsewhere, which the message names)."
+    "A checkpoint or the run's outputs could not be written (the message names what is intact, and where)."
     exit_code = 3
+
+class Interrupted(RunError):
+    "Ctrl-C (SIGINT) or SIGTERM stopped the run; the message names the checkpoint to resume from. Exit 130, or 143 for SIGTERM."
+    exit_code = 130
 
 def warn(msg: str):
     "Print a warning the user sees on stderr (a notebook shows it in the cell's output)."
@@ -101,8 +108,10 @@ class RunLock:
         raise FolderInUse(f"could not take the lock {self.file}: other processes keep taking it.")
 
     def release(self):
-        "Remove the lock if this process holds it."
-        if self.held and (self.owner() or {}).get("pid") == os.getpid(): self.file.unlink(missing_ok=True)
+        "Remove the lock if this process holds it (a folder that became read-only keeps it: a warning, never an error that hides the run's own)."
+        try:
+            if self.held and (self.owner() or {}).get("pid") == os.getpid(): self.file.unlink(missing_ok=True)
+        except OSError as e: warn(f"could not remove {self.file} ({e.strerror or e}); the next run takes it over once this process has ended.")
         self.held = False
 
     def __enter__(self): return self.acquire()
@@ -118,6 +127,70 @@ def clean_leftovers(checkpoints) -> list[str]:
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
             gone.append(p.name)
     return sorted(gone)
+
+# %% ../nbs/11_training_loop.ipynb #aa41f75a
+def _safetensor_error():
+    try: from safetensors import SafetensorError; return SafetensorError
+    except ImportError: return OSError
+
+WRITE_ERRORS = (OSError, RuntimeError, _safetensor_error())   # what writing a file may raise when the disk is full or gone
+
+def write_problem(e: BaseException, where) -> str:
+    "What went wrong writing under `where`: the system's reason, and 'the disk is full' when little space is left."
+    why = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
+    p = Path(where)
+    while not p.exists() and p != p.parent: p = p.parent
+    try: free = shutil.disk_usage(p).free
+    except OSError: return why
+    return why + (f"; the disk is full ({free / 2**20:.1f} MiB free)" if free < 64 * 2**20 else "")
+
+def write_atomic(path, data: str | bytes) -> Path:
+    "Write `data` to `path` whole or not at all (a temporary file beside it, renamed onto it)."
+    path = Path(path); tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_bytes(data) if isinstance(data, bytes) else tmp.write_text(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True); raise
+    return path
+
+# %% ../nbs/11_training_loop.ipynb #7e093ab8
+class StopRequests:
+    "While a run trains: SIGINT/SIGTERM become a request to stop after the step; a second SIGINT stops at once; saves finish first."
+    def __init__(self): self.signum, self.writing, self._old = None, 0, {}
+
+    def __enter__(self) -> "StopRequests":
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM): self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items(): signal.signal(s, h)
+        self._old = {}
+
+    @property
+    def name(self) -> str: return signal.Signals(self.signum).name if self.signum else ""
+
+    def _handle(self, signum, frame):
+        first = self.signum is None
+        if first: self.signum = signum
+        if self.writing:
+            print(f"\ntunebook: {signal.Signals(signum).name}: a checkpoint is being written; the run stops once it is whole.",
+                  file=sys.stderr, flush=True)
+        elif first:
+            print(f"\ntunebook: {signal.Signals(signum).name}: stopping after this step and writing a checkpoint "
+                  "(Ctrl-C again stops at once, without this step).", file=sys.stderr, flush=True)
+        else: raise KeyboardInterrupt   # the second: at once
+
+    def saving(self):
+        "A context in which signals wait: what is being written is written whole."
+        import contextlib
+        @contextlib.contextmanager
+        def ctx():
+            self.writing += 1
+            try: yield
+            finally: self.writing -= 1
+        return ctx()
 
 # %% ../nbs/11_training_loop.ipynb #1461ef26
 def data_fingerprint(path) -> str | None:

@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 
 from ..dpo import Reference
 from ..model import build_model
+from ..rundir import StepFailed, UserCodeError
 from ..tokenizer import load_tokenizer
 from .rollout import sample_groups
 
@@ -25,7 +26,7 @@ __all__ = ['VLLM_INSTALL', 'WorkerDied', 'lora_spec', 'model_tensors', 'copy_sta
            'generator_worker', 'GeneratorPool']
 
 # %% ../../nbs/15_grpo.ipynb #5d851a94
-class WorkerDied(RuntimeError): "A generator process exited while the learner was waiting for it."
+class WorkerDied(StepFailed): "A generator process exited, or failed, while the learner was waiting for it."
 
 def lora_spec(model) -> dict | None:
     "apply_lora's options that rebuild `model`'s adapters on a fresh copy of the base model (None: no adapters)."
@@ -80,8 +81,10 @@ def start_vllm(model, tokenizer, seed: int = 0, dtype: str | None = None):
 # %% ../../nbs/15_grpo.ipynb #b8c7c8dd
 def generator_worker(rank, model_config, lora, ref_state, shared, version, lock, tokenizer_dir, rows, reward_fn, opts,
                      out_q, stop, seed):
-    "A generator process: sample rollouts with the newest pushed weights until `stop` is set."
+    "A generator process: sample rollouts with the newest pushed weights until `stop` is set; a failure goes to the learner as a message."
+    import signal, traceback
     from tunebook.lora import apply_lora
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C is the learner's to handle: it stops the pool after saving
     if opts.get("backend") != "vllm": torch.set_num_threads(opts["threads"])   # vLLM binds its own threads
     torch.manual_seed(seed)
     model = build_model(model_config, init=False)
@@ -92,6 +95,7 @@ def generator_worker(rank, model_config, lora, ref_state, shared, version, lock,
     reference = Reference(model, "full" if lora is None else "lora") if opts["beta"] else None  # full: a copy, now
     params = model_tensors(model)
     try:
+      try:
         while not stop.is_set():
             if version.value != mine:
                 with lock:
@@ -106,6 +110,9 @@ def generator_worker(rank, model_config, lora, ref_state, shared, version, lock,
             while not stop.is_set():
                 try: out_q.put(ro, timeout=0.2); break
                 except queue_mod.Full: continue
+      except Exception as e:   # the learner raises it: a reward function's fault names itself; anything else, with its traceback
+        user = isinstance(e, UserCodeError)
+        out_q.put(dict(error=str(e) if user else f"{type(e).__name__}: {e}\n{traceback.format_exc()}", user=user, worker=rank))
     finally:
         if engine is not None: engine.close()
 
@@ -172,6 +179,9 @@ class GeneratorPool:
                     raise TimeoutError(f"no rollout from the generators for {waited:.0f} s"
                                        + ("" if self.started else " (their start-up included: GeneratorPool(start_timeout=))"))
                 continue
+            if "error" in ro:
+                if ro["user"]: raise UserCodeError(f"in generator process {ro['worker']}: {ro['error']}")
+                raise WorkerDied(f"generator process {ro['worker']} failed: {ro['error']}")
             self.started = True
             ro["staleness"] = version - ro["version"]
             if ro["staleness"] > self.max_staleness:

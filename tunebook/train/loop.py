@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 
+import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from ..core import patch
 from ..config import TrainConfig
-from ..rundir import NonFiniteError, UserCodeError, check_output_dir, clean_leftovers, warn
+from ..rundir import Interrupted, StepFailed, StopRequests, check_output_dir, clean_leftovers, warn
 from .objective import ObjectiveSpec
-from .trainer import Trainer
+from .state import _checkpoints
+from .trainer import Trainer, call_hook
 
 # %% auto #0
 __all__ = ['FINETUNE_SPEC', 'run_finetune']
@@ -26,8 +29,15 @@ def claim_output(self: Trainer):
     "Before any work: the output folder is writable and this run's, a killed run's leftovers are gone, config.json is written."
     check_output_dir(self.out)
     self.lock.acquire()
-    gone = clean_leftovers(self.out / "checkpoints")
-    if gone: warn(f"removed {len(gone)} unfinished checkpoint folder(s) that a killed run left in {self.out / 'checkpoints'}.")
+    gone = clean_leftovers(self.out / "checkpoints") + clean_leftovers(self.out)
+    if gone: warn(f"removed {len(gone)} unfinished checkpoint or output folder(s) that a killed run left in {self.out}.")
+    new = not self.config.resume and self.step == 0
+    stale = [n for n in ("model", "adapter", "summary.json", "metrics.csv", "loss.png") + (("samples.jsonl",) if new else ())
+             if (self.out / n).exists()]   # an earlier run's (or this run's before a resume): never served as this run's
+    if stale:
+        if new or {"model", "adapter"} & set(stale):
+            warn(f"removed {', '.join(stale)} of the earlier run in {self.out}; this run writes its own when it ends.")
+        for n in stale: shutil.rmtree(self.out / n) if (self.out / n).is_dir() else (self.out / n).unlink()
     old = sorted((self.out / "checkpoints").glob("step_*"))
     if old and not self.config.resume and self.step == 0:   # an earlier run's: its weights must not be resumed or exported
         warn(f"{self.out} holds checkpoints of an earlier run (up to {old[-1].name}); this new run replaces them "
@@ -47,7 +57,8 @@ def fit(self: Trainer, progress: bool = True) -> dict:
     "Train to `max_steps` with eval before and after; write the run folder; return the summary."
     if not self.is_setup: self.setup()
     if self.is_main: self.claim_output()
-    try: return self._fit_owned(progress)
+    try:
+        with StopRequests() as stops: return self._fit_owned(progress, stops)
     finally:
         if self.is_main: self.lock.release()
 
@@ -56,37 +67,68 @@ def _has_baseline(baseline: dict) -> bool:
     return any(k.endswith("_before") for k in baseline)
 
 @patch
-def _fit_owned(self: Trainer, progress: bool) -> dict:
-    c, obj = self.config, self.objective
-    if not _has_baseline(self.baseline): self.baseline.update({f"{k}_before": v for k, v in self.evaluate().items()})
+def _stop_asked(self: Trainer, stops: StopRequests) -> bool:
+    "Whether a signal asked the run to stop; on several processes, whether any rank's did (so that all stop at the same step)."
+    if self.world > 1:
+        t = torch.tensor([float(stops.signum or 0)]); dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if t.item() and stops.signum is None: stops.signum = int(t.item())
+    return stops.signum is not None
+
+@patch
+def _fit_owned(self: Trainer, progress: bool, stops: StopRequests | None = None) -> dict:
+    c, obj, stops, start = self.config, self.objective, stops or StopRequests(), self.step
     self.summary, self.should_stop = dict(self.baseline), False
     bar = tqdm(total=c.max_steps, initial=self.step, desc=obj.name, disable=not (progress and self.is_main))
     try:
-        while self.step < c.max_steps and not self.should_stop:
+        if not _has_baseline(self.baseline):
+            self.baseline.update({f"{k}_before": v for k, v in self.evaluate().items()}); self.summary = dict(self.baseline)
+        while self.step < c.max_steps and not self.should_stop and not self._stop_asked(stops):
             row = self.train_step()
             bar.update(1)
             if c.eval_every and self.step % c.eval_every == 0 and self.step < c.max_steps: row.update(self.evaluate())
             if self.step % c.log_every == 0 or self.step == c.max_steps:
                 bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}")
                 self.log(row)
-            if c.save_every and self.step % c.save_every == 0: self.save_checkpoint()
-    except (NonFiniteError, UserCodeError) as e:   # the step was not applied: keep the last good state
+            if c.save_every and self.step % c.save_every == 0:
+                with stops.saving(): self.save_checkpoint()
+    except StepFailed as e:   # non-finite, the user's code, a generator process: the step was not applied (or a callback failed after it)
         bar.close()
-        raise self.fail(str(e), type(e)) from None
+        with stops.saving(): err = self.fail(str(e), type(e))
+        raise err from None
+    except KeyboardInterrupt:   # a second Ctrl-C: at once, the step dropped
+        bar.close()
+        raise self._interrupted(stops, start, at_once=True) from None
     finally:   # generators, a batch built ahead and the like stop however the loop ends
         self.stop_prefetch(); obj.close(self)
     bar.close()
-    last = self.save_checkpoint()
+    if self._stop_asked(stops): raise self._interrupted(stops, start)
+    with stops.saving(): last = self.save_checkpoint()
     after = self.evaluate()
+    if self._stop_asked(stops): raise self._interrupted(stops, start)
     if self.metrics: self.metrics[-1].update(after)
     lead, both = obj.lead_metric(self), {**self.baseline, **{f"{k}_after": v for k, v in after.items()}}
     first = {k: both[k] for k in (f"{lead}_before", f"{lead}_after") if k in both}   # the summary leads with the lead metric
     self.summary = {**first, **both, "lead_metric": lead, **self.run_stats(), **self.recipe, **obj.summary(self), "status": "ok"}
-    self.write_outputs(last)
+    with stops.saving(): self.write_outputs(last)
     if self.world > 1: dist.barrier()
-    for cb in self.callbacks:
-        if hasattr(cb, "on_end"): cb.on_end(self, self.summary)
+    for cb in self.callbacks: call_hook(cb, "on_end", self, self.summary)
     return self.summary
+
+@patch
+def _interrupted(self: Trainer, stops: StopRequests, start: int, at_once: bool = False) -> Interrupted:
+    "After a stop signal: save the step reached (unless at once, or saved already), record it in summary.json; the error to raise."
+    sig, found = stops.name or "SIGINT", _checkpoints(self.out)
+    newest = found[-1] if found else None
+    if at_once: what = f"{sig} twice: stopped at once, without saving"
+    else:
+        what = f"{sig}: stopped after step {self.step} of {self.config.max_steps}"
+        if self.step > start and (newest is None or newest.name != f"step_{self.step:06d}"):
+            with stops.saving(): newest = self.save_checkpoint()
+    where = (f"; {newest} holds step {int(newest.name[5:])}: continue with --resume" if newest else
+             "; nothing was trained, so there is no checkpoint")
+    self._record_end(status="interrupted", error=what, last_good_checkpoint=str(newest) if newest else None)
+    e = Interrupted(what + where + ". No model was written."); e.exit_code = 128 + (stops.signum or signal.SIGINT)
+    return e
 
 @patch
 def log(self: Trainer, row: dict):
@@ -95,8 +137,12 @@ def log(self: Trainer, row: dict):
     skip = {"step", "loss", "lr", "tokens", "seq_tokens", "seconds", "peak_phase", "peak_bytes"}
     extra = "".join(f" {k} {v:.4g}" for k, v in row.items() if k not in skip and not k.startswith("mem_")
                     and isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None)
-    with open(self.out / "log.txt", "a") as f:
-        f.write(f"step {row['step']}/{self.config.max_steps} loss {row['loss']:.4f} lr {row['lr']:.3e}{extra}\n")
+    try:
+        with open(self.out / "log.txt", "a") as f:
+            f.write(f"step {row['step']}/{self.config.max_steps} loss {row['loss']:.4f} lr {row['lr']:.3e}{extra}\n")
+    except OSError as e:   # the log is for reading along: the run goes on, and its next checkpoint says what is wrong
+        if not getattr(self, "_log_failed", False): warn(f"could not write {self.out}/log.txt ({e.strerror or e}); training goes on.")
+        self._log_failed = True
 
 # %% ../../nbs/11_training_loop.ipynb #b5df202d
 def run_finetune(progress: bool = True, **options) -> dict:

@@ -6,15 +6,16 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pandas as pd
 import torch
 
-from ..checkpoint import save_hf
+from ..checkpoint import _atomic_dir, publish_dir, save_hf
 from ..core import count_params, patch
-from ..rundir import NonFiniteError, RunError
+from ..rundir import WRITE_ERRORS, NonFiniteError, RunError, SaveFailed, warn, write_atomic, write_problem
 from .state import _checkpoints
 from .trainer import Trainer
 
@@ -69,45 +70,68 @@ def run_stats(self: Trainer) -> dict:
                 stopped_early=self.step < self.config.max_steps)
 
 @patch
+def _record_end(self: Trainer, **fields):
+    "metrics.csv and summary.json of a run that ends without a model (failed, interrupted), each whole; a full disk only warns."
+    self.summary.update(**self.run_stats(), **fields)
+    if not self.is_main: return
+    try:
+        write_atomic(self.out / "metrics.csv", self.metrics_frame().to_csv(index=False))
+        write_atomic(self.out / "summary.json", json.dumps(self.summary, indent=2))
+    except WRITE_ERRORS as e: warn(f"could not write {self.out}/summary.json ({write_problem(e, self.out)}).")
+
+@patch
 def fail(self: Trainer, msg: str, error: type = NonFiniteError) -> RunError:
     "After a step that was not applied (non-finite, or user code that failed): keep a checkpoint of the last good step, write metrics and a failed summary; the error to raise."
     good = None
     if not self.config.optimizer_in_backward and self.step > 0:   # the bad step was not applied: this state is good
-        good = self.save_checkpoint()
-    elif (found := _checkpoints(self.out)): good = found[-1]
+        try: good = self.save_checkpoint()
+        except SaveFailed as e: msg += f" Then: {e}"
+    if good is None and (found := _checkpoints(self.out)): good = found[-1]
     where = f"the last good checkpoint is {good}" if good else "no checkpoint was kept"
-    self.summary.update(**self.run_stats(), status="failed", error=msg, last_good_checkpoint=str(good) if good else None)
-    if self.is_main:
-        self.metrics_frame().to_csv(self.out / "metrics.csv", index=False)
-        (self.out / "summary.json").write_text(json.dumps(self.summary, indent=2))
+    self._record_end(status="failed", error=msg, last_good_checkpoint=str(good) if good else None)
     return error(f"{msg} Stopped: {where}; no model was written.")
 
 @patch
 def write_outputs(self: Trainer, last: Path | None = None):
-    "metrics.csv, loss.png, model/ (HF format), adapter/ (LoRA), summary.json; `last`: this run's final checkpoint."
-    import copy
+    "metrics.csv, loss.png, model/ (HF format), adapter/ (LoRA), summary.json, each whole or absent; `last`: this run's final checkpoint."
     if not self.is_main: return
-    self.metrics_frame().to_csv(self.out / "metrics.csv", index=False)
+    stage = _atomic_dir(self.out / "outputs")   # .outputs.tmp-*: everything is written here first, then moved into place
+    try:
+        self._stage_outputs(stage, last)
+        for name in ("metrics.csv", "loss.png", "adapter", "model", "summary.json"):   # summary.json last: its presence means all is there
+            if (stage / name).is_dir(): publish_dir(stage / name, self.out / name)
+            elif (stage / name).exists(): os.replace(stage / name, self.out / name)
+    except WRITE_ERRORS as e:
+        kept = last or next(iter(_checkpoints(self.out)[::-1]), None)
+        raise SaveFailed(f"could not write the run's model and summary in {self.out} ({write_problem(e, stage)}); "
+                         + (f"the trained state is intact in {kept}: make room, then run the same command with --resume "
+                            "to write them." if kept else "no checkpoint holds the trained state.")) from e
+    finally: shutil.rmtree(stage, ignore_errors=True)
+
+@patch
+def _stage_outputs(self: Trainer, stage: Path, last: Path | None):
+    import copy
+    self.metrics_frame().to_csv(stage / "metrics.csv", index=False)
     if self.metrics:   # a Figure of its own: no pyplot state, no backend to switch, nothing drawn in a notebook
         from matplotlib.figure import Figure
-        fig = Figure(figsize=(6, 3.5)); self.plot_loss(fig.subplots()); fig.tight_layout(); fig.savefig(self.out / "loss.png", dpi=100)
+        fig = Figure(figsize=(6, 3.5)); self.plot_loss(fig.subplots()); fig.tight_layout(); fig.savefig(stage / "loss.png", dpi=100)
     c = self.config
     lora = None if c.method == "full" else dict(rank=c.lora_rank, alpha=c.lora_alpha, targets=c.lora_targets, dora=c.method == "dora")
     if self.world > 1:   # the weights are sharded: write the HF folder from this run's final distributed checkpoint
         from tunebook.distributed import consolidate_to_hf
-        consolidate_to_hf(last or self.out / "checkpoints" / f"step_{self.step:06d}", self.out / "model", self.model.config, lora=lora)
+        consolidate_to_hf(last or self.out / "checkpoints" / f"step_{self.step:06d}", stage / "model", self.model.config, lora=lora)
     else:
         final = self.model
         if lora is not None:
             from tunebook.lora import merge_lora, save_adapter
-            save_adapter(self.model, self.out / "adapter")
+            save_adapter(self.model, stage / "adapter")
             final = merge_lora(copy.deepcopy(self.model))
-        save_hf(final, self.out / "model")
-    self.tokenizer.save(self.out / "model")
+        save_hf(final, stage / "model")
+    self.tokenizer.save(stage / "model")
     for src, names in _source_files(c):   # what the source folder had for inference, as it stored it
         for name in names:
-            if (src / name).is_file(): shutil.copyfile(src / name, self.out / "model" / name)
-    (self.out / "summary.json").write_text(json.dumps(self.summary, indent=2))
+            if (src / name).is_file(): shutil.copyfile(src / name, stage / "model" / name)
+    (stage / "summary.json").write_text(json.dumps(self.summary, indent=2))
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                     "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..checkpoint import _atomic_dir, publish_dir
 from ..core import patch
 from ..precision import resume_problem
-from ..rundir import SaveFailed, warn
+from ..rundir import WRITE_ERRORS, SaveFailed, warn, write_problem
 from .trainer import Trainer
 
 # %% auto #0
@@ -50,17 +50,19 @@ def save_checkpoint(self: Trainer, keep: int = 2) -> Path:
     if self.world > 1: return self._save_distributed(final, keep)
     try:
         self._write_checkpoint(final)
-    except OSError as e:
+    except WRITE_ERRORS as e:   # a full disk: OSError, safetensors' SafetensorError, torch.save's RuntimeError
         import tempfile
         rescue = Path(tempfile.gettempdir()) / f"tunebook-rescue-{self.out.name}-{os.getpid()}"
+        before = _checkpoints(self.out)
+        kept = f"; {before[-1]} (step {int(before[-1].name[5:])}) is intact" if before else ""
         try:
             self._write_checkpoint(rescue / "checkpoints" / final.name)
             (rescue / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
-        except OSError as e2:
-            raise SaveFailed(f"could not write checkpoint {final} ({e.strerror or e}) nor a copy in {rescue} "
-                             f"({e2.strerror or e2}): the training state of step {self.step} is lost.") from None
-        raise SaveFailed(f"could not write checkpoint {final} ({e.strerror or e}); the training state of step {self.step} "
-                         f"is saved in {rescue}: continue with --resume --output-dir {rescue}") from None
+        except WRITE_ERRORS as e2:
+            raise SaveFailed(f"could not write checkpoint {final} ({write_problem(e, final)}) nor a copy in {rescue} "
+                             f"({write_problem(e2, rescue)}): the training state of step {self.step} is lost{kept}.") from e
+        raise SaveFailed(f"could not write checkpoint {final} ({write_problem(e, final)}){kept}; the training state of step "
+                         f"{self.step} is saved in {rescue}: continue with --resume --output-dir {rescue}") from e
     self._prune(keep)
     return final
 

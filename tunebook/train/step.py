@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ..core import patch
 from ..data import IGNORE_INDEX
 from ..rundir import NonFiniteError, nonfinite_report
-from .trainer import Trainer
+from .trainer import Trainer, call_hook
 
 # %% auto #0
 __all__ = ['step_micro_batches']
@@ -181,8 +181,7 @@ def train_step(self: Trainer) -> dict:
         row.update(peak_bytes=tracker.peak, peak_phase=tracker.peak_phase,
                    **{f"mem_{k}": v for k, v in tracker.peak_categories.items()})
     self.metrics.append(row)
-    for cb in self.callbacks:
-        if hasattr(cb, "on_step"): cb.on_step(self, row)
+    for cb in self.callbacks: call_hook(cb, "on_step", self, row)   # the step is applied: a callback's fault keeps it
     return row
 
 # %% ../../nbs/11_training_loop.ipynb #8878d7bb

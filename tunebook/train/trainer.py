@@ -17,14 +17,25 @@ from ..core import count_params, get_device, seed_everything
 from ..precision import resolve_precision
 from ..loggers import make_loggers
 from ..optim import adamw, decay_groups, fused_available, get_schedule, optimizer_in_backward
-from ..rundir import RunLock, data_fingerprint
+from ..rundir import RunLock, UserCodeError, data_fingerprint, warn
 from .load import model_width
 from .objective import SFT, Objective
 
 # %% auto #0
-__all__ = ['Trainer']
+__all__ = ['call_hook', 'Trainer']
 
 # %% ../../nbs/11_training_loop.ipynb #70aac6b8
+def call_hook(cb, hook: str, *args):
+    "Call `cb.<hook>(*args)` if it has one; an exception from the user's code (not tunebook's) stops the run naming it (`UserCodeError`)."
+    fn = getattr(cb, hook, None)
+    if fn is None: return None
+    if (getattr(fn, "__module__", None) or "").startswith("tunebook."): return fn(*args)   # ours: a bug keeps its traceback
+    try: return fn(*args)
+    except Exception as e:
+        name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', hook)}"
+        step = getattr(args[0], "step", "?") if args else "?"
+        raise UserCodeError(f"the callback {name} raised {type(e).__name__}: {e} (at step {step})") from e
+
 class Trainer:
     "A training run: `fit()` does it all; `setup()` / `train_step()` / `evaluate()` do it a piece at a time. What is trained: `objective`."
     def __init__(self, config: TrainConfig | None = None, model=None, tokenizer=None,
@@ -153,17 +164,18 @@ class Trainer:
         "The objective's held-out metrics now (SFT: exact match of greedy answers and held-out loss); callbacks hear them."
         if not self.is_setup: self.setup()
         with self.precision.autocast(): metrics = self.objective.evaluate(self)   # the numerics training uses
-        for cb in self.callbacks:   # trackers log every held-out measure (eval_accuracy, eval_loss, preference_accuracy...)
-            if hasattr(cb, "on_eval"): cb.on_eval(self, dict(metrics))
+        for cb in self.callbacks: call_hook(cb, "on_eval", self, dict(metrics))   # trackers log every held-out measure
         return metrics
 
     def write_samples(self, results: list, **extra):
         "During a run: a few generations of this eval into output_dir/samples.jsonl and log.txt, to read what the model says."
         if not (self.is_main and self.lock.held and results): return
-        with open(self.out / "samples.jsonl", "a") as f, open(self.out / "log.txt", "a") as log:
-            for prompt, completion, answer, ok in results:
-                f.write(json.dumps(dict(step=self.step, prompt=prompt, completion=completion, answer=answer, ok=ok, **extra)) + "\n")
-                log.write(f"  step {self.step} sample: {prompt!r} -> {completion!r} (answer {answer!r}, {'ok' if ok else 'wrong'})\n")
+        try:
+            with open(self.out / "samples.jsonl", "a") as f, open(self.out / "log.txt", "a") as log:
+                for prompt, completion, answer, ok in results:
+                    f.write(json.dumps(dict(step=self.step, prompt=prompt, completion=completion, answer=answer, ok=ok, **extra)) + "\n")
+                    log.write(f"  step {self.step} sample: {prompt!r} -> {completion!r} (answer {answer!r}, {'ok' if ok else 'wrong'})\n")
+        except OSError as e: warn(f"could not write {self.out}/samples.jsonl ({e.strerror or e}); training goes on.")
 
     def micro_batch(self, g: int) -> dict:
         "The g-th micro-batch of the run (the objective's)."
