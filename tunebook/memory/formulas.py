@@ -106,11 +106,14 @@ def _n_params(c: ModelConfig) -> tuple[int, int, int]:
     lins, L = _block_linears(c), c.n_layers
     n_norms = 4 if c.arch == "gemma3_text" else 2          # Gemma 3: a norm before and after attention and MLP
     lin = L * sum(i * o for i, o, _ in lins)
+    n_moe = sum(c.is_moe(i) for i in range(L))   # an MoE layer's MLP: a router and three stacked expert tensors, no linears
+    lin -= n_moe * 3 * c.dim * c.hidden_dim
+    experts = n_moe * c.n_experts * c.dim * (1 + 3 * (c.moe_hidden_dim or 0))
     biases = L * sum(o for _, o, b in lins if b)
     norms = L * (n_norms * c.dim + (2 * c.head_dim if c.qk_norm else 0)) + c.dim   # + the final norm
     embed = c.vocab_size * c.dim * (1 if c.tie_embeddings else 2)
     tensors = L * (len(lins) + sum(b for *_, b in lins) + n_norms + 2 * c.qk_norm) + 2 + (0 if c.tie_embeddings else 1)
-    return lin, lin + biases + norms + embed, tensors
+    return lin, lin + biases + norms + embed + experts, tensors + n_moe
 
 def rough_estimate(cfg: ModelConfig, method="lora", batch_size=1, seq_len=2048, dtype="bf16", lora_rank=16, chunked_ce=0,
                    activation_checkpointing=False, activation_offloading=False, optimizer_in_backward=False,
