@@ -239,3 +239,57 @@ def test_flat_gemma3_config_names_the_fix(make_hf):
     msg = str(e.value)
     assert "text_config" in msg and '"model_type": "gemma3_text"' in msg and "hidden_size=64" in msg
     assert "2304" not in msg and "262208" not in msg   # no default shape the file never states
+
+
+def test_bf16_close(pair, tmp_path):
+    """bf16 weights on both sides: logits agree to bf16 rounding."""
+    hf, _ = pair("norm-topk")
+    ours, hf = load_hf(tmp_path / "norm-topk", dtype="bf16"), hf.to(torch.bfloat16)
+    tokens = _tokens(2, 16)
+    with torch.no_grad():
+        a, b = ours(tokens).float(), hf(tokens).logits.float()
+    assert (a - b).abs().max().item() <= 2e-2 * b.abs().max().item()
+
+
+def test_activation_checkpointing_keeps_the_aux_loss_and_its_gradient():
+    """Blocks recomputed in backward: the same loss (cross-entropy stand-in + aux) and the same router gradients."""
+    from tunebook.memory.techniques import apply_activation_checkpointing
+    cfg = qwen3_30b_a3b(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64, moe_hidden_dim=16,
+                        n_experts=6, experts_per_token=2)
+    torch.manual_seed(0)
+    a, b = build_model(cfg), build_model(cfg)
+    b.load_state_dict(a.state_dict())
+    apply_activation_checkpointing(b)
+    tokens = _tokens(2, 9)
+    losses = []
+    for m in (a, b):
+        m.train()
+        loss = m(tokens).logsumexp(-1).mean() + m.router_aux_loss()
+        loss.backward(); losses.append(loss.item())
+    assert losses[0] == losses[1]
+    for i in range(2):
+        assert torch.equal(a.layers[i].mlp.gate.weight.grad, b.layers[i].mlp.gate.weight.grad)
+
+
+def test_lora_all_linear_leaves_router_and_experts_frozen():
+    from tunebook.lora import apply_lora
+    cfg = qwen3_30b_a3b(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64, moe_hidden_dim=16,
+                        n_experts=6, experts_per_token=2)
+    m = apply_lora(build_model(cfg), targets="all-linear", rank=4)
+    assert not any(p.requires_grad for b in moe_blocks(m) for p in b.parameters())
+    m(_tokens(1, 5)).sum().backward()
+    assert all(p.grad is not None for n, p in m.named_parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_round_trip_through_tunebook_is_exact(pair, tmp_path, name):
+    """transformers' folder -> load_hf -> save_hf -> transformers: bit-identical logits and the same tensor names."""
+    from safetensors import safe_open
+    hf, ours = pair(name)
+    out = save_hf(ours, tmp_path / "ours")
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tokens = _tokens(2, 13)
+    with torch.no_grad():
+        assert torch.equal(back(tokens).logits, hf(tokens).logits)
+    keys = lambda d: set(safe_open(str(d / "model.safetensors"), "pt").keys())
+    assert keys(out) == keys(tmp_path / name)
