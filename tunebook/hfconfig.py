@@ -66,10 +66,11 @@ _GEMMA3_TEXT = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216,
 def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     "A `ModelConfig` from the dict of a Hugging Face `config.json` (for multimodal Gemma 3: its text decoder)."
     arch = hf.get("model_type")
-    if arch == "gemma3" and "text_config" not in hf and "hidden_size" in hf:
-        raise ValueError(f"{source}: model_type 'gemma3' is the multimodal Gemma3ForConditionalGeneration, whose text fields sit in "
-                         f"'text_config', but this config.json has them at the top level (hidden_size={hf['hidden_size']}) and no "
-                         "text_config: for a text-only Gemma 3 set \"model_type\": \"gemma3_text\" (architectures Gemma3ForCausalLM).")
+    flat = [f"{k}={hf[k]}" for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads") if k in hf]
+    if arch == "gemma3" and "text_config" not in hf and flat:   # a text-only Gemma 3 labelled with the multimodal type
+        raise ValueError(f"{source}: model_type 'gemma3' (the multimodal Gemma3ForConditionalGeneration) reads its text model from "
+                         f"'text_config', which this file lacks; its text fields ({', '.join(flat)}) are at the top level, as in a "
+                         "text-only Gemma 3: set \"model_type\": \"gemma3_text\" (and \"architectures\": [\"Gemma3ForCausalLM\"]).")
     if arch == "gemma3":  # Gemma3ForConditionalGeneration (Gemma 3 4B and up): the language model alone
         return config_from_hf({**_GEMMA3_TEXT, **(hf.get("text_config") or {}), "model_type": "gemma3_text"}, source)
     if arch not in SUPPORTED:
