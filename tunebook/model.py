@@ -11,7 +11,7 @@ from torch import nn
 from .attention import Attention, FusedQKVAttention, GemmaRMSNorm, KVCache, RMSNorm, RotaryEmbedding, build_mask
 from .core import get_dtype
 from .modelconfig import *   # ModelConfig, BUILDERS, get_config and the named builders, re-exported
-from .moe import Experts, MoEFeedForward, TopKRouter, count_active_params, moe_aux_loss
+from .moe import Experts, MoEFeedForward, TopKRouter, moe_aux_loss
 from .layers import (FeedForward, FusedFeedForward, SandwichBlock, ScaledEmbedding, TransformerBlock,
                              default_dtype, init_weights)
 
