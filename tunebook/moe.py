@@ -56,12 +56,12 @@ class Experts(nn.Module):
         order = idx.reshape(-1).argsort(stable=True)        # (token, expert) pairs sorted by expert
         token = order // k
         counts = torch.bincount(idx.reshape(-1), minlength=self.n_experts).tolist()
-        xs, act, outs, start = x[token], ACTIVATIONS[self.act], [], 0
-        for e, n in enumerate(counts):
-            if n == 0: continue
-            s = xs[start:start + n]
-            outs.append(F.linear(act(F.linear(s, self.gate_proj[e])) * F.linear(s, self.up_proj[e]), self.down_proj[e]))
-            start += n
+        act, outs = ACTIVATIONS[self.act], []
+        # split and unbind once: their backward assembles each gradient in one tensor, where slicing or indexing
+        # per expert would zero-fill a full-size gradient per expert
+        gate, up, down = self.gate_proj.unbind(0), self.up_proj.unbind(0), self.down_proj.unbind(0)
+        for e, s in enumerate(x[token].split(counts)):
+            if len(s): outs.append(F.linear(act(F.linear(s, gate[e])) * F.linear(s, up[e]), down[e]))
         out = torch.cat(outs) * w.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, token, out.to(x.dtype))
 
