@@ -308,3 +308,15 @@ def test_backward_never_slices_a_full_size_gradient_per_expert():
         seen.add(f); kinds[type(f).__name__] = kinds.get(type(f).__name__, 0) + 1
         stack.extend(g for g, _ in f.next_functions)
     assert kinds.get("UnbindBackward0") == 3 and "SelectBackward0" not in kinds and "SliceBackward0" not in kinds, kinds
+
+
+def test_a_trained_model_can_be_deep_copied():
+    """After a training forward the router logits are inside the graph; deepcopy (LoRA merge for saving) still works."""
+    import copy
+    cfg = qwen3_30b_a3b(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64, moe_hidden_dim=16,
+                        n_experts=6, experts_per_token=2)
+    m = build_model(cfg).train()
+    m(_tokens(1, 5)).sum()
+    c = copy.deepcopy(m)
+    assert all(b.router_logits is None for b in moe_blocks(c)) and all(b.router_logits is not None for b in moe_blocks(m))
+    assert torch.equal(c.layers[0].mlp.experts.up_proj, m.layers[0].mlp.experts.up_proj)

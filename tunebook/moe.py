@@ -73,6 +73,9 @@ class MoEFeedForward(nn.Module):
         self.gate, self.experts = gate, experts
         self.router_logits = None   # (B * T, n_experts) of the last forward
 
+    def __getstate__(self):   # deepcopy and pickle leave the last logits behind (a tensor inside a graph cannot be copied)
+        return {**super().__getstate__(), "router_logits": None}
+
     def forward(self, x):  # (B, T, dim) -> (B, T, dim)
         flat = x.reshape(-1, x.shape[-1])
         self.router_logits, w, idx = self.gate(flat)
