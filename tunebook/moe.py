@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from .layers import ACTIVATIONS, _act
 
@@ -55,7 +56,9 @@ class Experts(nn.Module):
         k = idx.shape[1]
         order = idx.reshape(-1).argsort(stable=True)        # (token, expert) pairs sorted by expert
         token = order // k
-        counts = torch.bincount(idx.reshape(-1), minlength=self.n_experts).tolist()
+        if is_fake(idx):   # shapes only (the memory estimator): an even split has the sizes of any routing, in total
+            q, r = divmod(idx.numel(), self.n_experts); counts = [q + (e < r) for e in range(self.n_experts)]
+        else: counts = torch.bincount(idx.reshape(-1), minlength=self.n_experts).tolist()
         act, outs = ACTIVATIONS[self.act], []
         # split and unbind once: their backward assembles each gradient in one tensor, where slicing or indexing
         # per expert would zero-fill a full-size gradient per expert
