@@ -347,3 +347,14 @@ def test_compiled_moe_blocks_equal_eager():
     la.backward(); lb.backward()
     assert abs(la.item() - lb.item()) <= 1e-6
     assert (a.layers[1].mlp.gate.weight.grad - b.layers[1].mlp.gate.weight.grad).abs().max().item() <= 1e-6
+
+
+def test_vllm_weight_sync_names_each_expert_as_the_checkpoint_does():
+    """The tensors GRPO hands vLLM (LoRA merged) are the checkpoint's: one per expert, the same names and shapes as save_hf's."""
+    from tunebook.checkpoint import expected_tensors
+    from tunebook.lora import apply_lora
+    from tunebook.vllmgen.engine import policy_tensors
+    cfg = qwen3_30b_a3b(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64, moe_hidden_dim=16,
+                        n_experts=6, experts_per_token=2)
+    tensors = policy_tensors(apply_lora(build_model(cfg), targets="all-linear", rank=4))
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == {k: tuple(s) for k, s in expected_tensors(build_model(cfg, device="meta")).items()}
