@@ -123,10 +123,12 @@ def rough_estimate(cfg: ModelConfig, method="lora", batch_size=1, seq_len=2048, 
     q, kv, d, h, L = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.dim, cfg.hidden_dim, cfg.n_layers
     lin, total, n_tensors = _n_params(cfg)
     lins = _block_linears(cfg)   # adapters on every linear of a block ("all-linear")
+    per_layer = [lins[:-3] if cfg.is_moe(i) else lins for i in range(L)]   # an MoE layer's experts are no linears
     if method == "full": trainable, biggest = total, cfg.vocab_size * d
     else:
-        trainable, n_tensors = L * lora_rank * sum(i + o for i, o, _ in lins), L * 2 * len(lins)
-        if method == "dora": trainable, n_tensors = trainable + L * sum(o for _, o, _ in lins), L * 3 * len(lins)
+        trainable = lora_rank * sum(i + o for ls in per_layer for i, o, _ in ls)
+        n_tensors = 2 * sum(len(ls) for ls in per_layer)
+        if method == "dora": trainable, n_tensors = trainable + sum(o for ls in per_layer for _, o, _ in ls), n_tensors * 3 // 2
         biggest = lora_rank * max(i + o for i, o, _ in lins)
     params = (total - lin) * wb + (lin * (0.5 + 4 / 64) if method == "qlora" else lin * wb)
     if method != "full": params += trainable * wb
