@@ -30,12 +30,13 @@ def hf_model(arch="llama", seed=0, **kw):
                     "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig),
                     "gemma3_text": (transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig),
                     "phi3": (transformers.Phi3ForCausalLM, transformers.Phi3Config),
-                    "smollm3": (transformers.SmolLM3ForCausalLM, transformers.SmolLM3Config)}[arch]
-    if arch == "qwen3": base.setdefault("head_dim", base["hidden_size"] // base["num_attention_heads"])
+                    "smollm3": (transformers.SmolLM3ForCausalLM, transformers.SmolLM3Config),
+                    "qwen3_moe": (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig)}[arch]
+    if arch in ("qwen3", "qwen3_moe"): base.setdefault("head_dim", base["hidden_size"] // base["num_attention_heads"])
     if arch == "gemma3_text":
         base.setdefault("head_dim", base["hidden_size"] // base["num_attention_heads"])
         base.setdefault("query_pre_attn_scalar", base["head_dim"])
-    if arch in ("qwen3", "gemma3_text", "phi3", "mistral", "smollm3"): base.setdefault("pad_token_id", 0)
+    if arch in ("qwen3", "gemma3_text", "phi3", "mistral", "smollm3", "qwen3_moe"): base.setdefault("pad_token_id", 0)
     model = cls(cfg_cls(**base)).eval()
     # transformers initialises norms to one and biases to zero: randomise them so the test sees them
     with torch.no_grad():

@@ -285,6 +285,8 @@ FAMILIES = {  # small shapes of each family's parts
     "qwen3": pico(arch="qwen3", qk_norm=True, head_dim=32, n_layers=2),
     "gemma3": pico(arch="gemma3_text", qk_norm=True, hidden_act="gelu_pytorch_tanh", tie_embeddings=True, n_layers=2),
     "phi3": pico(arch="phi3", n_layers=2),
+    "qwen3_moe": pico(arch="qwen3_moe", qk_norm=True, head_dim=32, n_layers=3, n_experts=4, experts_per_token=2, moe_hidden_dim=32,
+                      mlp_only_layers=[1]),
 }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -21,8 +22,8 @@ from .hfconfig import SUPPORTED, config_from_hf, config_to_hf  # the config.json
 _all_ = ['SUPPORTED', 'config_from_hf', 'config_to_hf']
 
 # %% auto #0
-__all__ = ['hf_key', 'our_key', 'text_key', 'expected_tensors', 'read_hf_config', 'load_hf', 'publish_dir', 'save_hf',
-           'load_embedded', 'SUPPORTED', 'config_from_hf', 'config_to_hf']
+__all__ = ['hf_key', 'our_key', 'text_key', 'hf_tensors', 'our_slot', 'expected_tensors', 'unfuse', 'read_hf_config', 'load_hf',
+           'publish_dir', 'save_hf', 'load_embedded', 'SUPPORTED', 'config_from_hf', 'config_to_hf']
 
 # %% ../nbs/03_checkpoints.ipynb #a086dad2
 def hf_key(name: str) -> str:
@@ -39,11 +40,34 @@ def text_key(key: str) -> str | None:
         if key.startswith(old): return new + key[len(old):]
     return key if key.startswith("lm_head.") else None
 
+_STACKED = re.compile(r"(.+\.experts)\.(gate_proj|up_proj|down_proj)$")          # ours: (n_experts, out, in)
+_PER_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")  # HF: one expert's weight
+
+def hf_tensors(name: str, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    "Our parameter -> its Hugging Face tensors: stacked expert weights become one `experts.N.<proj>.weight` per expert."
+    m = _STACKED.fullmatch(name)
+    if m is None: return {hf_key(name): p}
+    return {hf_key(f"{m[1]}.{e}.{m[2]}.weight"): p[e] for e in range(p.shape[0])}
+
+def our_slot(params: dict, key: str) -> torch.Tensor:
+    "The tensor of `params` (ours, by name) that the Hugging Face tensor `key` fills: a parameter, or one expert's slice."
+    m = _PER_EXPERT.fullmatch(our_key(key))
+    return params[our_key(key)] if m is None else params[f"{m[1]}.{m[3]}"][int(m[2])]
+
 def expected_tensors(model: Transformer) -> dict[str, torch.Size]:
     "Hugging Face key -> shape for every tensor a checkpoint of `model` holds."
     tied = model.config is not None and model.config.tie_embeddings
-    return {hf_key(n): p.shape for n, p in model.named_parameters(remove_duplicate=False)
-            if not (tied and n == "lm_head.weight")}
+    return {k: t.shape for n, p in model.named_parameters(remove_duplicate=False)
+            if not (tied and n == "lm_head.weight") for k, t in hf_tensors(n, p).items()}
+
+def unfuse(key: str, shape: tuple) -> list[tuple]:
+    "(key, shape, slice) per expert for a fused `experts.gate_up_proj` / `experts.down_proj` tensor; else [(key, shape, None)]."
+    m = re.fullmatch(r"(.+\.experts)\.(gate_up_proj|down_proj)", key)
+    if m is None or len(shape) != 3: return [(key, shape, None)]
+    E, h = shape[0], shape[1] // 2
+    if m[2] == "down_proj": return [(f"{m[1]}.{e}.down_proj.weight", shape[1:], (e,)) for e in range(E)]
+    return [(f"{m[1]}.{e}.{name}.weight", (h, shape[2]), (e, slice(a, a + h)))
+            for e in range(E) for name, a in (("gate_proj", 0), ("up_proj", h))]
 
 # %% ../nbs/03_checkpoints.ipynb #4896e9f7
 def _weight_files(root: Path) -> list[Path]:
@@ -90,7 +114,9 @@ def load_hf(path, dtype=None, device="cpu") -> Transformer:
     for f, h in handles.items():
         for key in h.keys():
             k = text_key(key) if multimodal else key
-            if k is not None: found[k], where[k], orig[k] = tuple(h.get_slice(key).get_shape()), f, key
+            if k is None: continue
+            for kk, shape, part in unfuse(k, tuple(h.get_slice(key).get_shape())):   # fused experts: one entry per expert
+                found[kk], where[kk], orig[kk] = tuple(shape), f, (key, part)
     if cfg.tie_embeddings: found.pop("lm_head.weight", None)
     missing = [k for k in expected if k not in found]
     if missing:
@@ -105,7 +131,7 @@ def load_hf(path, dtype=None, device="cpu") -> Transformer:
             raise ValueError(f"tensor {k} in {where[k].name} has shape {found[k]}, but config.json implies {tuple(shape)}.")
     # 4. materialise and fill
     first = next(iter(expected))
-    file_dtype = handles[where[first]].get_slice(orig[first]).get_dtype()
+    file_dtype = handles[where[first]].get_slice(orig[first][0]).get_dtype()
     dt = get_dtype(dtype) if dtype is not None else {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(file_dtype, torch.float32)
     model = model.to_empty(device=device).to(dt)
     model.tie_weights()
@@ -113,10 +139,11 @@ def load_hf(path, dtype=None, device="cpu") -> Transformer:
     params = dict(model.named_parameters(remove_duplicate=False))
     with torch.no_grad():
         for k in expected:
-            try: t = handles[where[k]].get_tensor(orig[k])
+            key, part = orig[k]
+            try: t = handles[where[k]].get_tensor(key) if part is None else handles[where[k]].get_slice(key)[part]
             except Exception as e:
                 raise ValueError(f"{where[k]}: cannot read tensor {k} ({e}); the file is truncated or corrupt.") from e
-            params[our_key(k)].copy_(t)
+            our_slot(params, k).copy_(t)
     model.name_or_path = str(root.resolve())  # save_adapter writes it as base_model_name_or_path
     return model.eval()
 
@@ -145,8 +172,8 @@ def save_hf(model: Transformer, path, dtype=None, max_shard_size: int = 5 * 2**3
     tensors = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         if model.config.tie_embeddings and n == "lm_head.weight": continue
-        t = p.detach()
-        tensors[hf_key(n)] = (t.to(get_dtype(dtype)) if dtype is not None else t).to("cpu").contiguous().clone()
+        for k, t in hf_tensors(n, p.detach()).items():
+            tensors[k] = (t.to(get_dtype(dtype)) if dtype is not None else t).to("cpu").contiguous().clone()
     dt = next(iter(tensors.values())).dtype
     shards, cur, size = [], {}, 0
     for k, t in tensors.items():

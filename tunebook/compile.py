@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .attention import build_mask
+from .moe import MoEFeedForward
 
 # %% auto #0
 __all__ = ['compile_block', 'uncompile_block', 'compile_loss', 'compile_model', 'is_compiled']
@@ -60,6 +61,8 @@ def compile_block(block: nn.Module, # a TransformerBlock (or any module called a
                   mode: str | None = None, # torch.compile's mode ("max-autotune", ...)
                  ) -> nn.Module:
     "Compile `block`'s forward in place, its sequence length dynamic; `uncompile_block` undoes it."
+    # an MoE block routes tokens to experts in data-dependent sizes: dynamo breaks the graph there, whatever `fullgraph` says
+    fullgraph = fullgraph and not any(isinstance(m, MoEFeedForward) for m in block.modules())
     if "forward" not in block.__dict__: block.forward = _compiled_forward(block, "block", backend, fullgraph, mode)
     return block
 

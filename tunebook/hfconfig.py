@@ -16,7 +16,7 @@ __all__ = ['SUPPORTED', 'config_from_hf', 'config_to_hf']
 # %% ../nbs/03_checkpoints.ipynb #50e243ed
 SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
              "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-             "smollm3": "SmolLM3ForCausalLM"}
+             "smollm3": "SmolLM3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 _ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 def _scaling(d: dict | None, source: str) -> dict | None:
@@ -66,6 +66,11 @@ _GEMMA3_TEXT = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216,
 def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     "A `ModelConfig` from the dict of a Hugging Face `config.json` (for multimodal Gemma 3: its text decoder)."
     arch = hf.get("model_type")
+    flat = [f"{k}={hf[k]}" for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads") if k in hf]
+    if arch == "gemma3" and "text_config" not in hf and flat:   # a text-only Gemma 3 labelled with the multimodal type
+        raise ValueError(f"{source}: model_type 'gemma3' (the multimodal Gemma3ForConditionalGeneration) reads its text model from "
+                         f"'text_config', which this file lacks; its text fields ({', '.join(flat)}) are at the top level, as in a "
+                         "text-only Gemma 3: set \"model_type\": \"gemma3_text\" (and \"architectures\": [\"Gemma3ForCausalLM\"]).")
     if arch == "gemma3":  # Gemma3ForConditionalGeneration (Gemma 3 4B and up): the language model alone
         return config_from_hf({**_GEMMA3_TEXT, **(hf.get("text_config") or {}), "model_type": "gemma3_text"}, source)
     if arch not in SUPPORTED:
@@ -87,7 +92,8 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
         max_pos = hf.get("max_position_embeddings", 4096)
         scaling.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings", max_pos))
         if scaling.get("factor") is None: scaling["factor"] = max_pos / scaling["original_max_position_embeddings"]
-    bias = bool(hf.get("attention_bias", False)) and arch in ("llama", "qwen3", "gemma3_text", "smollm3")
+    if arch == "qwen3_moe" and hf.get("use_sliding_window"): raise ValueError(f"{source}: use_sliding_window=true is not supported for qwen3_moe.")
+    bias = bool(hf.get("attention_bias", False)) and arch in ("llama", "qwen3", "gemma3_text", "smollm3", "qwen3_moe")
     nope = (hf.get("no_rope_layers") or smollm3_no_rope_layers(hf["num_hidden_layers"], hf.get("no_rope_layer_interval", 4))
             if arch == "smollm3" else None)
     return ModelConfig(
@@ -98,11 +104,18 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
         norm_eps=hf.get("rms_norm_eps", 1e-6), qkv_bias=True if arch == "qwen2" else bias, o_bias=bias,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), arch=arch,
         bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"),
-        qk_norm=arch in ("qwen3", "gemma3_text"), sliding_window=window, layer_types=types,
+        qk_norm=arch in ("qwen3", "gemma3_text", "qwen3_moe"), sliding_window=window, layer_types=types,
         rope_local_theta=None if local_theta is None else float(local_theta),
         query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256) if gemma else None,
         partial_rotary_factor=float(prf), hidden_act=act, final_softcap=hf.get("final_logit_softcapping") if gemma else None,
-        no_rope_layers=nope)
+        no_rope_layers=nope, **(_moe_from_hf(hf) if arch == "qwen3_moe" else {}))
+
+def _moe_from_hf(hf: dict) -> dict:
+    "The MoE fields of a Qwen3-MoE config.json; absent ones take Qwen3MoeConfig's defaults, as transformers does."
+    return dict(n_experts=hf.get("num_experts", hf.get("num_local_experts", 128)), experts_per_token=hf.get("num_experts_per_tok", 8),
+                moe_hidden_dim=hf.get("moe_intermediate_size", 768), norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)), decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+                mlp_only_layers=list(hf.get("mlp_only_layers") or []))
 
 # %% ../nbs/03_checkpoints.ipynb #6f7c82ef
 # what each family's checkpoint fixes: a config that differs cannot be written as that class
@@ -110,7 +123,7 @@ _FIXED = {"llama": dict(qk_norm=False, hidden_act="silu"), "qwen2": dict(qk_norm
           "qwen3": dict(qk_norm=True, hidden_act="silu"), "mistral": dict(qk_norm=False, hidden_act="silu", qkv_bias=False, o_bias=False),
           "gemma3_text": dict(qk_norm=True, hidden_act="gelu_pytorch_tanh"),
           "phi3": dict(qk_norm=False, hidden_act="silu", qkv_bias=False, o_bias=False),
-          "smollm3": dict(qk_norm=False, hidden_act="silu")}
+          "smollm3": dict(qk_norm=False, hidden_act="silu"), "qwen3_moe": dict(qk_norm=True, hidden_act="silu")}
 _ONLY = {"rope_local_theta": ("gemma3_text",), "query_pre_attn_scalar": ("gemma3_text",), "final_softcap": ("gemma3_text",),
          "layer_types": ("gemma3_text", "qwen2", "qwen3", "smollm3"), "no_rope_layers": ("smollm3",),
          "sliding_window": ("gemma3_text", "qwen2", "qwen3", "mistral", "phi3", "smollm3")}
@@ -122,9 +135,11 @@ def _check_family(cfg: ModelConfig):
     for k, archs in _ONLY.items():
         if getattr(cfg, k) is not None and cfg.arch not in archs:
             raise ValueError(f"{k}={getattr(cfg, k)!r} cannot be written as a {cls}; families that have it: {', '.join(archs)}.")
+    if cfg.n_experts and cfg.arch != "qwen3_moe":
+        raise ValueError(f"n_experts={cfg.n_experts} cannot be written as a {cls}; the MoE family here is qwen3_moe.")
     if cfg.partial_rotary_factor != 1.0 and cfg.arch != "phi3":
         raise ValueError(f"partial_rotary_factor={cfg.partial_rotary_factor} cannot be written as a {cls} (only phi3 has it).")
-    if cfg.arch in ("llama", "qwen3", "gemma3_text", "smollm3") and cfg.qkv_bias != cfg.o_bias:
+    if cfg.arch in ("llama", "qwen3", "gemma3_text", "smollm3", "qwen3_moe") and cfg.qkv_bias != cfg.o_bias:
         raise ValueError(f"a {cls} checkpoint biases all of q, k, v and o or none (attention_bias); this config has "
                          f"qkv_bias={cfg.qkv_bias}, o_bias={cfg.o_bias}: use arch='qwen2' for q/k/v bias alone.")
 
@@ -140,7 +155,12 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
           "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": dtype_name(dtype),
           "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
           "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True}
-    if cfg.arch in ("llama", "qwen3", "gemma3_text", "smollm3"): hf.update(attention_bias=cfg.qkv_bias)
+    if cfg.arch in ("llama", "qwen3", "gemma3_text", "smollm3", "qwen3_moe"): hf.update(attention_bias=cfg.qkv_bias)
+    if cfg.arch == "qwen3_moe":
+        hf.update(num_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token, moe_intermediate_size=cfg.moe_hidden_dim,
+                  norm_topk_prob=cfg.norm_topk_prob, router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=False,
+                  decoder_sparse_step=cfg.decoder_sparse_step, mlp_only_layers=list(cfg.mlp_only_layers or []),
+                  use_sliding_window=False, sliding_window=None)
     if cfg.arch in ("llama", "smollm3"): hf.update(mlp_bias=False)
     if cfg.arch == "smollm3": hf.update(no_rope_layers=cfg.no_rope_layers or [1] * cfg.n_layers)
     if cfg.arch in ("mistral", "phi3"): hf.update(sliding_window=cfg.sliding_window)

@@ -106,7 +106,7 @@ def default_dtype(dtype: torch.dtype):
     finally: torch.set_default_dtype(old)
 
 def init_weights(model: nn.Module, std: float = 0.02) -> nn.Module:
-    "Normal(0, std) for linear and embedding weights, zeros for biases, identity scale for norms."
+    "Normal(0, std) for linear, embedding and expert weights, zeros for biases, identity scale for norms."
     for m in model.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, 0.0, std)
@@ -114,4 +114,6 @@ def init_weights(model: nn.Module, std: float = 0.02) -> nn.Module:
             nn.init.zeros_(m.bias)
         if isinstance(m, RMSNorm):
             m.reset_parameters()
+        if hasattr(m, "normal_init"):   # raw weight parameters (the MoE router and stacked experts)
+            m.normal_init(std)
     return model

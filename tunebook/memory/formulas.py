@@ -106,11 +106,14 @@ def _n_params(c: ModelConfig) -> tuple[int, int, int]:
     lins, L = _block_linears(c), c.n_layers
     n_norms = 4 if c.arch == "gemma3_text" else 2          # Gemma 3: a norm before and after attention and MLP
     lin = L * sum(i * o for i, o, _ in lins)
+    n_moe = sum(c.is_moe(i) for i in range(L))   # an MoE layer's MLP: a router and three stacked expert tensors, no linears
+    lin -= n_moe * 3 * c.dim * c.hidden_dim
+    experts = n_moe * c.n_experts * c.dim * (1 + 3 * (c.moe_hidden_dim or 0))
     biases = L * sum(o for _, o, b in lins if b)
     norms = L * (n_norms * c.dim + (2 * c.head_dim if c.qk_norm else 0)) + c.dim   # + the final norm
     embed = c.vocab_size * c.dim * (1 if c.tie_embeddings else 2)
     tensors = L * (len(lins) + sum(b for *_, b in lins) + n_norms + 2 * c.qk_norm) + 2 + (0 if c.tie_embeddings else 1)
-    return lin, lin + biases + norms + embed, tensors
+    return lin, lin + biases + norms + embed + experts, tensors + n_moe
 
 def rough_estimate(cfg: ModelConfig, method="lora", batch_size=1, seq_len=2048, dtype="bf16", lora_rank=16, chunked_ce=0,
                    activation_checkpointing=False, activation_offloading=False, optimizer_in_backward=False,
@@ -120,10 +123,12 @@ def rough_estimate(cfg: ModelConfig, method="lora", batch_size=1, seq_len=2048, 
     q, kv, d, h, L = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.dim, cfg.hidden_dim, cfg.n_layers
     lin, total, n_tensors = _n_params(cfg)
     lins = _block_linears(cfg)   # adapters on every linear of a block ("all-linear")
+    per_layer = [lins[:-3] if cfg.is_moe(i) else lins for i in range(L)]   # an MoE layer's experts are no linears
     if method == "full": trainable, biggest = total, cfg.vocab_size * d
     else:
-        trainable, n_tensors = L * lora_rank * sum(i + o for i, o, _ in lins), L * 2 * len(lins)
-        if method == "dora": trainable, n_tensors = trainable + L * sum(o for _, o, _ in lins), L * 3 * len(lins)
+        trainable = lora_rank * sum(i + o for ls in per_layer for i, o, _ in ls)
+        n_tensors = 2 * sum(len(ls) for ls in per_layer)
+        if method == "dora": trainable, n_tensors = trainable + sum(o for ls in per_layer for _, o, _ in ls), n_tensors * 3 // 2
         biggest = lora_rank * max(i + o for i, o, _ in lins)
     params = (total - lin) * wb + (lin * (0.5 + 4 / 64) if method == "qlora" else lin * wb)
     if method != "full": params += trainable * wb

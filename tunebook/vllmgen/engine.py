@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..checkpoint import hf_key
+from ..checkpoint import hf_key, hf_tensors
 from ..core import check_dir, get_dtype, patch
 
 # %% auto #0
@@ -49,7 +49,7 @@ def policy_tensors(model, dtype=None) -> dict[str, torch.Tensor]:
     for n, p in model.named_parameters(remove_duplicate=False):
         owner = n.rpartition(".")[0]
         if (tied and n == "lm_head.weight") or owner in mods or owner.rpartition(".")[0] in mods: continue
-        out[hf_key(n)] = p
+        out.update(hf_tensors(n, p))   # stacked MoE experts: one tensor per expert, as the checkpoint names them
     for name, m in mods.items():
         out[hf_key(name + ".weight")] = m.base_weight() if m.disabled else (m.weight if m.merged else m.merged_weight())
         if m.bias is not None: out[hf_key(name + ".bias")] = m.bias
