@@ -358,3 +358,48 @@ def test_vllm_weight_sync_names_each_expert_as_the_checkpoint_does():
                         n_experts=6, experts_per_token=2)
     tensors = policy_tensors(apply_lora(build_model(cfg), targets="all-linear", rank=4))
     assert {k: tuple(v.shape) for k, v in tensors.items()} == {k: tuple(s) for k, s in expected_tensors(build_model(cfg, device="meta")).items()}
+
+
+def test_trainer_step_adds_the_load_balancing_loss_as_transformers_does(tmp_path):
+    """The training loop's step on a Qwen3-MoE checkpoint: its loss is transformers' (mean cross-entropy over the labelled
+    tokens + router_aux_loss_coef x aux_loss) on the same batch, and the router's part is logged as router_aux_loss."""
+    import torch.nn.functional as F
+    from tunebook.checkpoint import load_embedded
+    from tunebook.train import TrainConfig, Trainer
+    _, tok = load_embedded()
+    hf = hf_model("qwen3_moe", seed=0, **{**CONFIGS["raw-topk"], "vocab_size": len(tok), "router_aux_loss_coef": 0.5})
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if n.endswith("mlp.gate.weight"): p.normal_(0, 0.3)
+    hf.save_pretrained(tmp_path / "m"); tok.save(tmp_path / "m")
+    tr = Trainer(TrainConfig(model=str(tmp_path / "m"), method="full", dtype="fp32", batch_size=4, max_steps=2, n_train=16,
+                             eval_samples=0, output_dir=str(tmp_path / "run"))).setup()
+    b = tr.micro_batch(0)
+    with torch.no_grad():
+        out = hf(b["tokens"], attention_mask=b.get("attn_mask"), output_router_logits=True)
+    want = F.cross_entropy(out.logits.flatten(0, 1), b["labels"].flatten(), ignore_index=-100) + 0.5 * out.aux_loss
+    row = tr.train_step()
+    assert abs(row["loss"] - want.item()) <= 1e-5, (row["loss"], want.item())
+    assert abs(row["router_aux_loss"] - 0.5 * out.aux_loss.item()) <= 1e-6
+
+
+def test_a_small_moe_learns_and_the_balancing_loss_spreads_the_load(tmp_path):
+    """A random 8-expert Qwen3-MoE fine-tuned 60 steps on the embedded task: the held-out loss falls (5.6 -> 2.5), and with
+    the balancing loss on (coef 0.05) no expert takes more than a third of the routed (token, slot) pairs (uniform: 12.5%;
+    measured 30%), and fewer than without it (46%)."""
+    from tunebook.checkpoint import load_embedded
+    from tunebook.train import TrainConfig, Trainer
+    _, tok = load_embedded()
+    shares = {}
+    for coef in (0.0, 0.05):
+        hf = hf_model("qwen3_moe", seed=0, **{**MOE, "vocab_size": len(tok), "router_aux_loss_coef": coef})
+        hf.save_pretrained(tmp_path / f"m{coef}"); tok.save(tmp_path / f"m{coef}")
+        tr = Trainer(TrainConfig(model=str(tmp_path / f"m{coef}"), method="full", dtype="fp32", batch_size=16, max_steps=60, lr=3e-3,
+                                 warmup_steps=5, n_train=512, eval_samples=16, output_dir=str(tmp_path / f"run{coef}")))
+        s = tr.fit(progress=False)
+        assert s["eval_loss_after"] < s["eval_loss_before"] - 2.5, s
+        tr.model.eval()
+        with torch.no_grad(): tr.model(tr.micro_batch(0)["tokens"])
+        shares[coef] = max((torch.bincount(b.router_logits.topk(MOE["num_experts_per_tok"], -1).indices.flatten(), minlength=8)
+                            .float() / b.router_logits.shape[0] / MOE["num_experts_per_tok"]).max().item() for b in moe_blocks(tr.model))
+    assert shares[0.05] <= 1 / 3 and shares[0.05] < shares[0.0], shares

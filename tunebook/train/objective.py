@@ -39,6 +39,7 @@ class Objective:
     lead: str = "eval_accuracy"   # the eval metric the summary leads with
     needs_tokenizer: bool = True  # a model object given without one is refused
     pure_batches: bool = False    # batch(tr, g) depends on g alone (no rollouts, no stream state): built a step ahead where that pays
+    adds_router_loss: bool = False  # the loss is one forward of the policy per micro-batch: a mixture-of-experts model's load-balancing loss is added
 
     chunked_ce: str | None = None # what the option `chunked_ce` (vocabulary slices) does for this objective; None: refused
 
@@ -127,7 +128,7 @@ def chunked_loss_fn(tr) -> ChunkedCrossEntropy | None:
 
 class SFT(Objective):
     "Supervised fine-tuning: cross-entropy on the labelled (response) tokens; eval by exact match and held-out loss."
-    name, lead = "sft", "eval_accuracy"
+    name, lead, adds_router_loss = "sft", "eval_accuracy", True
     def __init__(self, **data_options): self.data_options = data_options   # more `SFTDataset` options (e.g. train_on_prompt)
 
     @property

@@ -136,8 +136,12 @@ def train_step(self: Trainer) -> dict:
     n_local = sum(weights)   # the step divides the summed loss by the units of all its micro-batches (and ranks)
     tracker, acc, sums = self._memory_tracker(), {}, []
     self.last_tracker = tracker
+    moe = obj.adds_router_loss and getattr(getattr(self.model, "config", None), "n_experts", 0)
     def loss_of(b):
         loss_sum, stats = obj.loss(self, b)
+        if moe:   # coef x the load-balancing loss of this forward, weighted as the micro-batch's mean loss is (transformers' sum)
+            aux = self.model.router_aux_loss()
+            loss_sum, stats = loss_sum + aux * weights[len(sums)], {**stats, "router_aux_loss": aux.detach()}
         sums.append(loss_sum.detach()); _add_stats(acc, stats, weights[len(sums) - 1])   # kept on the device
         return loss_sum, stats
     scale = self.scaler.scale if self.scaler is not None else (lambda l: l)   # fp16-mixed: the loss scaled up
