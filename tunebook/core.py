@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.resources
 import json
+import math
 import os
 import random
 from pathlib import Path
@@ -15,8 +16,9 @@ import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['EMBEDDED_DIR', 'get_device', 'cpu_cores', 'get_dtype', 'dtype_name', 'no_autocast', 'seed_everything', 'count_params',
-           'human_bytes', 'human_count', 'patch', 'check_dir', 'check_file', 'read_json', 'flag', 'spell']
+__all__ = ['EMBEDDED_DIR', 'get_device', 'cpu_quota', 'cpu_cores', 'fit_threads', 'get_dtype', 'dtype_name', 'no_autocast',
+           'seed_everything', 'count_params', 'human_bytes', 'human_count', 'patch', 'check_dir', 'check_file',
+           'read_json', 'flag', 'spell']
 
 # %% ../nbs/01_decoder.ipynb #4d675502
 def get_device(device: str | torch.device | None = "auto") -> torch.device:
@@ -28,9 +30,37 @@ def get_device(device: str | torch.device | None = "auto") -> torch.device:
         raise ValueError(f"device {str(device)!r} was asked for, but CUDA is not available here; use 'cpu' or 'auto'.")
     return dev
 
+def cpu_quota() -> float | None:
+    "CPUs this process's cgroup may use (its CPU quota / period: v2 `cpu.max`, or v1), None when unlimited or unknown."
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError): pass
+    try:
+        quota = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
+        return None if quota <= 0 else quota / int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
+    except (OSError, ValueError): return None
+
 def cpu_cores() -> int:
-    "CPU cores this process may run on (its affinity mask where the OS has one, else all of them)."
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    "CPU cores this process may use: its affinity mask (where the OS has one), capped by its cgroup's CPU quota."
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    q = cpu_quota()
+    return max(1, min(n, math.ceil(q))) if q else n
+
+# %% ../nbs/01_decoder.ipynb #9737520c
+def fit_threads() -> str:
+    "Use at most the cores this process may use (affinity, cgroup quota); say how many threads torch runs, how they wait, and why."
+    n, cores = torch.get_num_threads(), cpu_cores()
+    if n > cores: torch.set_num_threads(cores)
+    q, policy = cpu_quota(), os.environ.get("OMP_WAIT_POLICY")
+    limit = f"the {cores} CPU(s) this process may use" + (f" (cgroup quota {q:g})" if q else "")
+    said = f"{torch.get_num_threads()} torch threads for {limit}" + (f", lowered from {n}" if n > cores else "")
+    if os.environ.get("TUNEBOOK_SET_OMP_WAIT") and policy == "PASSIVE":
+        how = "they sleep while they wait (OMP_WAIT_POLICY=PASSIVE, set by tunebook: spinning threads made a step 4x slower on a shared CPU)"
+    elif policy: how = f"OMP_WAIT_POLICY={policy}, as set"
+    else: how = ("they spin while they wait (torch was imported before tunebook): on a shared CPU, start Python with "
+                 "OMP_WAIT_POLICY=PASSIVE")
+    return f"{said}; {how}"
 
 # %% ../nbs/01_decoder.ipynb #5460e801
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "float": torch.float32,

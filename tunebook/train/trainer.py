@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import TUNED, TrainConfig
-from ..core import count_params, get_device, seed_everything
+from ..core import count_params, fit_threads, get_device, seed_everything
 from ..precision import resolve_precision
 from ..loggers import make_loggers
 from ..optim import adamw, decay_groups, fused_available, get_schedule, optimizer_in_backward
@@ -86,6 +86,7 @@ class Trainer:
         self.train_data, self.rows, self.eval_data, self.check, self.held_out = d.train_data, d.rows, d.eval_data, d.check, d.held_out
         self.max_seq_len, self.max_new_tokens = d.max_seq_len, d.max_new_tokens
         self.choices = {**d.choices, **self.recipe}   # the run log and summary.json say what was chosen and why
+        if get_device(c.device).type == "cpu": self.choices["threads_report"] = fit_threads()   # how many, how they wait, why
         self._check_context()
         self.n_batches = obj.n_batches(self)
         if self.n_batches == 0:
