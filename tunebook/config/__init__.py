@@ -183,11 +183,13 @@ class AdapterPart(Part):
 # %% ../../nbs/11_training_loop.ipynb #0c528f48
 @dataclass
 class BatchPart(Part):
-    "The batch: rows per optimizer step."
-    batch_size: int | None = None        # rows per optimizer step (split over grad_accum_steps micro-batches and nproc processes); None: the recipe's for the model (embedded 32; a real model 8), reported in the log
+    "The batch: rows per micro-batch, and how many passes over the rows."
+    batch_size: int | None = None        # rows per micro-batch, shared by the nproc processes (a step trains batch_size x grad_accum_steps rows); None: the recipe's for the model (embedded 32; a real model 8), reported in the log
+    epochs: int | None = None            # passes over the training rows: the run's steps follow from the data (after packing and dropping; reported); a max_steps other than its default caps them
 
     def problems(self) -> list[str]:
         bad = [f"{self.opt('batch_size')} must be >= 1"] if self.batch_size is not None and self.batch_size < 1 else []
+        if self.epochs is not None and self.epochs < 1: bad.append(f"{self.opt('epochs')} must be >= 1 (or unset: --max-steps decides)")
         return bad + super().problems()
 
 @dataclass

@@ -25,8 +25,8 @@ __all__ = ['step_micro_batches']
 @patch
 def build_step_batches(self: Trainer, step: int) -> tuple[list, list]:
     "The micro-batches of optimizer step `step` and their weights (units each covers)."
-    c, obj = self.config, self.objective
-    batches = [obj.batch(self, step * c.grad_accum_steps + k) for k in range(c.grad_accum_steps)]
+    c, obj, last = self.config, self.objective, self.micro_limit   # with epochs, the last step may hold fewer micro-batches
+    batches = [obj.batch(self, g) for g in range(step * c.grad_accum_steps, (step + 1) * c.grad_accum_steps) if last is None or g < last]
     return batches, [obj.weight(self, b) for b in batches]
 
 @patch
@@ -178,7 +178,9 @@ def train_step(self: Trainer) -> dict:
     self.scheduler.step()
     self.step += 1
     seconds = time.perf_counter() - t0
-    row = dict(step=self.step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=sum(int(n) for n in host_counts) * self.world,
+    row = dict(step=self.step, **({"epoch": round(min(self.step * c.grad_accum_steps, self.micro_limit or math.inf) / self.n_batches, 3)}
+                                  if self.n_batches else {}),
+               loss=loss, lr=lr, grad_norm=grad_norm, tokens=sum(int(n) for n in host_counts) * self.world,
                seq_tokens=sum(int(b["tokens"].numel()) for b in batches if "tokens" in b) * self.world, seconds=seconds,
                **_mean_stats(_reduce_stats(acc, dict(zip(keys, host_stats))), self.world))
     if tracker is not None:

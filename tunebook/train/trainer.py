@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ..config import TUNED, TrainConfig
-from ..core import count_params, fit_threads, get_device, seed_everything
+from ..core import count_params, fit_threads, get_device, patch, seed_everything
 from ..precision import resolve_precision
 from ..loggers import make_loggers
 from ..optim import adamw, decay_groups, fused_available, get_schedule, optimizer_in_backward
@@ -54,6 +55,7 @@ class Trainer:
         self.optimizer = self.scheduler = None
         self.n_batches = self.n_trainable = self.data_sha256 = None
         self.epoch_order = None       # (epoch, permutation of the rows) of the epoch being drawn (`Objective.rows_of`)
+        self.micro_limit = None       # with `epochs`: the micro-batches of the whole run (the last step may hold fewer)
         self.prefetch = None          # build the next step's batches on a thread: None (on where it pays), True or False
         self._ahead = self._prefetcher = None   # the batches being built ahead, and the thread building them
         self.last_eval: list = []     # (prompt, completion, answer, ok) of the last eval
@@ -91,6 +93,7 @@ class Trainer:
         self.n_batches = obj.n_batches(self)
         if self.n_batches == 0:
             raise ValueError(f"{len(self.rows)} training rows cannot fill one batch of {c.batch_size}; lower batch_size.")
+        self._plan_epochs()
         self._apply_method()
         self._apply_memory_techniques()
         if self.world != c.nproc:
@@ -192,3 +195,20 @@ def _loop_problems(c) -> list[str]:
         return ["dtype='fp16-mixed' with optimizer_in_backward: the loss scaler cannot unscale per-parameter steps inside "
                 "backward; use bf16-mixed, or turn optimizer_in_backward off"]
     return []
+
+# %% ../../nbs/11_training_loop.ipynb #977f687e
+@patch
+def _plan_epochs(self: Trainer):
+    "With `epochs`: the run's micro-batches and steps from the data (max_steps caps them when set to other than its default); reported."
+    c = self.config
+    if not getattr(c, "epochs", None): return
+    if not self.n_batches:
+        raise ValueError(f"--epochs: the {self.objective.name} objective draws from an endless source; use --max-steps.")
+    ga, default = c.grad_accum_steps, next(f.default for f in dataclasses.fields(c) if f.name == "max_steps")
+    micro = c.epochs * self.n_batches
+    steps, cap = math.ceil(micro / ga), (c.max_steps if c.max_steps != default else None)
+    self.micro_limit = micro if cap is None or cap >= math.ceil(micro / ga) else None
+    c.max_steps = steps if self.micro_limit is not None else cap
+    how = (f"{c.epochs} epoch(s) of {len(self.rows)} rows = {micro} micro-batches of up to {c.batch_size} rows, "
+           f"{ga} per step: {steps} steps")
+    self.choices["epochs_report"] = how + (f"; capped at --max-steps {cap}" if self.micro_limit is None else "")
