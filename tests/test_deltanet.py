@@ -243,3 +243,43 @@ def test_transformers_runs_its_torch_fallback():
         pytest.skip("flash-linear-attention is installed: transformers may use its kernel")
     except ImportError:
         pass
+
+
+def test_load_hf_reads_a_multimodal_qwen3_5_folder(tmp_path):
+    """The published Qwen3.5 folders are Qwen3_5ForConditionalGeneration (model_type qwen3_5): the text decoder under
+    model.language_model.*, the top level's tie_word_embeddings; the vision tower and mtp.* are skipped, as
+    transformers' Qwen3_5ForCausalLM does."""
+    from safetensors.torch import load_file, save_file
+    text = {k: v for k, v in CONFIGS["interval4"].items()}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  spatial_merge_size=1, temporal_patch_size=1)
+    for tie in (False, True):
+        torch.manual_seed(0)
+        vlm = transformers.Qwen3_5ForConditionalGeneration(
+            transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie)).eval()
+        with torch.no_grad():
+            for n, p in vlm.named_parameters():
+                if n.endswith("norm.weight"): p.add_(0.1 * torch.randn_like(p))
+        d = tmp_path / f"vlm-{tie}"
+        vlm.save_pretrained(d)
+        sd = load_file(d / "model.safetensors")
+        sd["mtp.fc.weight"] = torch.zeros(4, 4)   # a multi-token-prediction tensor, as the published folders hold
+        save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+        ours = load_hf(d)
+        assert ours.config.tie_embeddings == tie and ours.config.arch == "qwen3_5_text"
+        tokens = _tokens(2, 70, 9)
+        with torch.no_grad():
+            assert (ours(tokens) - vlm(input_ids=tokens).logits).abs().max().item() <= TOL
+
+
+def test_load_hf_skips_mtp_tensors(tmp_path):
+    from safetensors.torch import load_file, save_file
+    hf = hf_qwen35()
+    hf.save_pretrained(tmp_path / "m")
+    sd = load_file(tmp_path / "m" / "model.safetensors")
+    sd["mtp.layers.0.mlp.up_proj.weight"] = torch.zeros(2, 2)
+    save_file(sd, str(tmp_path / "m" / "model.safetensors"), metadata={"format": "pt"})
+    ours = load_hf(tmp_path / "m")
+    tokens = _tokens(1, 20)
+    with torch.no_grad():
+        assert (ours(tokens) - hf(tokens).logits).abs().max().item() <= TOL

@@ -74,6 +74,9 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
                          "text-only Gemma 3: set \"model_type\": \"gemma3_text\" (and \"architectures\": [\"Gemma3ForCausalLM\"]).")
     if arch == "gemma3":  # Gemma3ForConditionalGeneration (Gemma 3 4B and up): the language model alone
         return config_from_hf({**_GEMMA3_TEXT, **(hf.get("text_config") or {}), "model_type": "gemma3_text"}, source)
+    if arch == "qwen3_5":  # Qwen3_5ForConditionalGeneration (the published Qwen3.5 folders): the language model; the top level ties
+        text = {**(hf.get("text_config") or {}), "model_type": "qwen3_5_text"}
+        return config_from_hf({**text, "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}, source)
     if arch not in SUPPORTED:
         archs = hf.get("architectures") or [arch]
         raise ValueError(f"{source}: unsupported architecture {archs} (model_type={arch!r}); "
