@@ -283,3 +283,18 @@ def test_load_hf_skips_mtp_tensors(tmp_path):
     tokens = _tokens(1, 20)
     with torch.no_grad():
         assert (ours(tokens) - hf(tokens).logits).abs().max().item() <= TOL
+
+
+def test_a_small_qwen3_5_learns(tmp_path):
+    """The training loop end to end on a hybrid model: a random 4-layer Qwen3.5 (3 DeltaNet + 1 attention) fine-tuned 40
+    steps (full) on the embedded task; the held-out loss falls (measured 5.56 -> 2.75)."""
+    from tunebook.checkpoint import load_embedded
+    from tunebook.train import TrainConfig, Trainer
+    _, tok = load_embedded()
+    torch.manual_seed(0)
+    hf = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**{**CONFIGS["interval4"], "vocab_size": len(tok)}))
+    hf.save_pretrained(tmp_path / "m"); tok.save(tmp_path / "m")
+    tr = Trainer(TrainConfig(model=str(tmp_path / "m"), method="full", dtype="fp32", batch_size=16, max_steps=40, lr=3e-3,
+                             warmup_steps=5, n_train=512, eval_samples=16, output_dir=str(tmp_path / "run")))
+    s = tr.fit(progress=False)
+    assert s["eval_loss_after"] < s["eval_loss_before"] - 2.0, s
