@@ -203,17 +203,19 @@ class Attention(nn.Module):
                  scale: float | None = None,        # softmax scale; None: 1/sqrt(head_dim)
                  sliding_window: int | None = None, # attend to the last `sliding_window` positions only
                  use_rope: bool = True,             # False: no position encoding at all (NoPE, SmolLM3)
+                 output_gate: bool = False,         # q_proj also gives a gate per head: y * sigmoid(gate) before o_proj (Qwen3.5)
                  ):
         super().__init__()
         self.q_proj, self.k_proj, self.v_proj = q_proj, k_proj, v_proj
-        self._setup(n_heads, n_kv_heads, head_dim, o_proj, q_norm, k_norm, scale, sliding_window, use_rope)
+        self._setup(n_heads, n_kv_heads, head_dim, o_proj, q_norm, k_norm, scale, sliding_window, use_rope, output_gate)
 
-    def _setup(self, n_heads, n_kv_heads, head_dim, o_proj, q_norm, k_norm, scale, sliding_window, use_rope=True):
+    def _setup(self, n_heads, n_kv_heads, head_dim, o_proj, q_norm, k_norm, scale, sliding_window, use_rope=True,
+               output_gate=False):
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.o_proj, self.q_norm, self.k_norm = o_proj, q_norm, k_norm
-        self.scale, self.sliding_window, self.use_rope = scale, sliding_window, use_rope
+        self.scale, self.sliding_window, self.use_rope, self.output_gate = scale, sliding_window, use_rope, output_gate
         self.cache: KVCache | None = None
 
     def project(self, x: torch.Tensor):
@@ -226,6 +228,8 @@ class Attention(nn.Module):
                 ) -> torch.Tensor:                     # (B, T, dim)
         B, T, _ = x.shape
         q, k, v = self.project(x)
+        if self.output_gate:   # each head's q_proj rows: the query, then its gate
+            q, gate = q.view(B, T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim)     # (B, T, H, hd)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, hd)
         if self.q_norm is not None: q = self.q_norm(q)
@@ -240,7 +244,9 @@ class Attention(nn.Module):
             mask = build_mask(T, k.shape[2], sliding_window=self.sliding_window, device=x.device)
         causal = mask is None and (self.cache is None or k.shape[2] == T)   # no cache: no size comparison to guard on
         y = sdpa(q, k, v, mask, causal, self.scale, self.n_kv_heads != self.n_heads)  # (B, H, T, hd)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        y = y.transpose(1, 2)                             # (B, T, H, hd)
+        if self.output_gate: y = y * torch.sigmoid(gate)
+        return self.o_proj(y.reshape(B, T, self.n_heads * self.head_dim))
 
 class FusedQKVAttention(Attention):
     "Attention whose q, k and v come from one fused `qkv_proj` (Phi-3), kept fused as the checkpoint stores it."

@@ -104,7 +104,7 @@ def load_hf(path, dtype=None, device="cpu") -> Transformer:
     "Load a Hugging Face folder of a supported family (safetensors only) into a `Transformer`."
     root = Path(path)
     cfg, hf = read_hf_config(root, raw=True)
-    multimodal = hf.get("model_type") == "gemma3"   # keep the text decoder, skip the vision tower
+    multimodal = hf.get("model_type") in ("gemma3", "qwen3_5")   # keep the text decoder, skip the vision tower (and Qwen3.5's mtp.*)
     files = _weight_files(root)
     handles = {f: _open(f) for f in files}
     # 3. check names and shapes from the headers alone
@@ -122,7 +122,8 @@ def load_hf(path, dtype=None, device="cpu") -> Transformer:
     if missing:
         raise ValueError(f"checkpoint in {root} is missing {len(missing)} tensor(s), e.g. {missing[:3]} "
                          f"(expected shape {tuple(expected[missing[0]])}); it does not match its config.json.")
-    extra = [k for k in found if k not in expected and not k.endswith("rotary_emb.inv_freq")]
+    extra = [k for k in found if k not in expected and not k.endswith("rotary_emb.inv_freq")
+             and not (cfg.arch == "qwen3_5_text" and k.startswith("mtp."))]   # Qwen3.5's multi-token-prediction head: unused, as in transformers
     if extra:
         raise ValueError(f"checkpoint in {root} has {len(extra)} unexpected tensor(s), e.g. {extra[:3]} in "
                          f"{where[extra[0]].name}; it does not match its config.json.")

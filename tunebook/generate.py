@@ -71,9 +71,9 @@ def generate(model: Transformer,
         logits = model(tokens, positions=positions, attn_mask=mask if ragged else None)[:, -1]
         if num_samples > 1:  # copy each prompt's cache, last logits, mask and positions to its rows
             rep = lambda t: t.repeat_interleave(num_samples, 0)
-            for layer in model.layers:
-                kv = layer.self_attn.cache
-                kv.k, kv.v = rep(kv.k), rep(kv.v)
+            for layer in model.layers:   # a KV cache's k, v; a DeltaNet cache's conv inputs and state
+                c = layer.self_attn.cache
+                for name, buf in list(c.named_buffers(recurse=False)): setattr(c, name, rep(buf))
             logits, mask, positions, B = rep(logits), rep(mask), rep(positions), B * num_samples
         out, lps = [[] for _ in range(B)], [[] for _ in range(B)]
         pos, done = positions[:, -1:] + 1, torch.zeros(B, dtype=torch.bool, device=device)

@@ -12,6 +12,7 @@ from .attention import Attention, FusedQKVAttention, GemmaRMSNorm, KVCache, RMSN
 from .core import get_dtype
 from .modelconfig import *   # ModelConfig, BUILDERS, get_config and the named builders, re-exported
 from .moe import Experts, MoEFeedForward, TopKRouter, moe_aux_loss
+from .deltanet import DeltaNetBlock, GatedDeltaNet
 from .layers import (FeedForward, FusedFeedForward, SandwichBlock, ScaledEmbedding, TransformerBlock,
                              default_dtype, init_weights)
 
@@ -70,6 +71,10 @@ class Transformer(nn.Module):
         if mask is not None and (attn_mask is not None or doc_ids is not None):
             raise ValueError("pass either a ready-made mask or attn_mask/doc_ids, not both")
         masks = self._masks(T, start, attn_mask, doc_ids, mask, tokens.device)
+        if (doc_ids is not None or mask is not None) and any(isinstance(l.self_attn, GatedDeltaNet) for l in self.layers):
+            raise ValueError("Gated DeltaNet layers carry one state along the row: packed documents (doc_ids) and "
+                             "ready-made masks are not supported; pass attn_mask (padding) only.")
+        pad = None if attn_mask is None else attn_mask[:, -T:]   # what a DeltaNet layer takes: (B, T) padding
         self.moe_attn_mask = None if attn_mask is None else attn_mask[:, -T:]   # the load-balancing loss skips padding
         rope = self.rope(positions)
         local = self.rope_local(positions) if self.rope_local is not None else rope
@@ -77,7 +82,7 @@ class Transformer(nn.Module):
         for layer in self.layers:
             w = layer.self_attn.sliding_window
             cos, sin = local if w is not None else rope
-            h = layer(h, cos, sin, masks[w])
+            h = layer(h, cos, sin, pad if isinstance(layer.self_attn, GatedDeltaNet) else masks[w])
         h = self.norm(h)
         if return_hidden: return h
         logits = self.lm_head(h)
@@ -90,10 +95,12 @@ class Transformer(nn.Module):
 
     # -- KV cache for generation --
     def setup_cache(self, batch_size: int, max_len: int, dtype=None, device=None):
-        "Give every attention layer a KV cache of `max_len` positions (sliding layers keep only their window)."
+        "Give every attention layer a KV cache of `max_len` positions (sliding layers keep only their window), every DeltaNet layer its state."
         p = self.embed_tokens.weight
         for layer in self.layers:
             a = layer.self_attn
+            if isinstance(a, GatedDeltaNet):
+                a.setup_cache(batch_size, max_len, dtype or p.dtype, device or p.device); continue
             a.cache = KVCache(batch_size, max_len, a.n_kv_heads, a.head_dim, dtype or p.dtype, device or p.device,
                               window=a.sliding_window)
 
@@ -111,8 +118,13 @@ class Transformer(nn.Module):
 def _block(cfg: ModelConfig, i: int) -> TransformerBlock:
     "Layer `i` of the family `cfg.arch`."
     lin = lambda n_in, n_out, bias=False: nn.Linear(n_in, n_out, bias=bias)
-    Norm = GemmaRMSNorm if cfg.arch == "gemma3_text" else RMSNorm
+    Norm = GemmaRMSNorm if cfg.arch in ("gemma3_text", "qwen3_5_text") else RMSNorm   # Qwen3.5's norms are 1 + w too
     H, Hkv, hd, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim
+    ff = lambda: FeedForward(lin(D, cfg.hidden_dim), lin(D, cfg.hidden_dim), lin(cfg.hidden_dim, D), cfg.hidden_act)
+    if cfg.is_linear(i):   # Qwen3.5's Gated DeltaNet layer (tunebook.deltanet)
+        dn = GatedDeltaNet(D, cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                           cfg.linear_conv_kernel, cfg.norm_eps, cfg.hidden_act)
+        return DeltaNetBlock(dn, ff(), Norm(D, cfg.norm_eps), Norm(D, cfg.norm_eps))
     kw = dict(sliding_window=cfg.window(i), use_rope=cfg.no_rope_layers is None or bool(cfg.no_rope_layers[i]),
               scale=None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5)
     if cfg.qk_norm: kw.update(q_norm=Norm(hd, cfg.norm_eps), k_norm=Norm(hd, cfg.norm_eps))
@@ -120,9 +132,10 @@ def _block(cfg: ModelConfig, i: int) -> TransformerBlock:
         attn = FusedQKVAttention(H, Hkv, hd, lin(D, (H + 2 * Hkv) * hd, cfg.qkv_bias), lin(H * hd, D, cfg.o_bias), **kw)
         mlp = FusedFeedForward(lin(D, 2 * cfg.hidden_dim), lin(cfg.hidden_dim, D), cfg.hidden_act)
     else:
-        attn = Attention(H, Hkv, hd, lin(D, H * hd, cfg.qkv_bias), lin(D, Hkv * hd, cfg.qkv_bias),
-                         lin(D, Hkv * hd, cfg.qkv_bias), lin(H * hd, D, cfg.o_bias), **kw)
-        mlp = FeedForward(lin(D, cfg.hidden_dim), lin(D, cfg.hidden_dim), lin(cfg.hidden_dim, D), cfg.hidden_act)
+        gate = 2 if cfg.attn_output_gate else 1   # Qwen3.5: q_proj gives each head's query and its output gate
+        attn = Attention(H, Hkv, hd, lin(D, gate * H * hd, cfg.qkv_bias), lin(D, Hkv * hd, cfg.qkv_bias),
+                         lin(D, Hkv * hd, cfg.qkv_bias), lin(H * hd, D, cfg.o_bias), output_gate=cfg.attn_output_gate, **kw)
+        mlp = ff()
     if cfg.is_moe(i):
         mlp = MoEFeedForward(TopKRouter(D, cfg.n_experts, cfg.experts_per_token, cfg.norm_topk_prob),
                              Experts(cfg.n_experts, D, cfg.moe_hidden_dim, cfg.hidden_act))
@@ -135,12 +148,13 @@ def build_model(config: ModelConfig | str, dtype=None, device=None, init: bool =
     cfg = get_config(config) if isinstance(config, str) else config
     dt, dev = get_dtype(dtype), torch.device(device or "cpu")
     gemma = cfg.arch == "gemma3_text"
+    one_plus_w = cfg.arch in ("gemma3_text", "qwen3_5_text")
     with default_dtype(dt), dev:
         embed = ScaledEmbedding(cfg.vocab_size, cfg.dim, cfg.dim ** 0.5) if gemma else nn.Embedding(cfg.vocab_size, cfg.dim)
         rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
         local = RotaryEmbedding(cfg.rotary_dim, cfg.rope_local_theta) if cfg.rope_local_theta is not None else None
         model = Transformer(embed, [_block(cfg, i) for i in range(cfg.n_layers)],
-                            (GemmaRMSNorm if gemma else RMSNorm)(cfg.dim, cfg.norm_eps),
+                            (GemmaRMSNorm if one_plus_w else RMSNorm)(cfg.dim, cfg.norm_eps),
                             nn.Linear(cfg.dim, cfg.vocab_size, bias=False), rope, cfg,
                             rope_local=local, final_softcap=cfg.final_softcap)
         model.tie_weights()

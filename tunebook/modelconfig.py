@@ -9,15 +9,19 @@ import dataclasses
 from dataclasses import dataclass
 
 # %% auto #0
-__all__ = ['ARCHS', 'LAYER_TYPES', 'BUILDERS', 'ModelConfig', 'llama3_2_1b', 'llama3_2_3b', 'llama3_1_8b', 'llama3_1_70b',
-           'qwen2_5_0_5b', 'qwen2_5_1_5b', 'qwen2_5_7b', 'smollm2_135m', 'smollm2_360m', 'pico', 'qwen3_0_6b',
-           'qwen3_1_7b', 'qwen3_4b', 'qwen3_8b', 'gemma3_layer_types', 'gemma3_270m', 'gemma3_1b', 'gemma3_4b',
-           'mistral_7b_v0_3', 'phi3_mini', 'phi4_mini', 'smollm3_no_rope_layers', 'smollm3_3b', 'qwen3_30b_a3b',
-           'qwen3_235b_a22b', 'get_config']
+__all__ = ['ARCHS', 'LAYER_TYPES', 'BUILDERS', 'qwen3_5_layer_types', 'ModelConfig', 'llama3_2_1b', 'llama3_2_3b', 'llama3_1_8b',
+           'llama3_1_70b', 'qwen2_5_0_5b', 'qwen2_5_1_5b', 'qwen2_5_7b', 'smollm2_135m', 'smollm2_360m', 'pico',
+           'qwen3_0_6b', 'qwen3_1_7b', 'qwen3_4b', 'qwen3_8b', 'gemma3_layer_types', 'gemma3_270m', 'gemma3_1b',
+           'gemma3_4b', 'mistral_7b_v0_3', 'phi3_mini', 'phi4_mini', 'smollm3_no_rope_layers', 'smollm3_3b',
+           'qwen3_30b_a3b', 'qwen3_235b_a22b', 'get_config']
 
 # %% ../nbs/01_decoder.ipynb #e1dd86f0
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "smollm3", "qwen3_moe")
-LAYER_TYPES = ("full_attention", "sliding_attention")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "smollm3", "qwen3_moe", "qwen3_5_text")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+
+def qwen3_5_layer_types(n_layers: int, interval: int = 4) -> list[str]:
+    "Qwen3.5's pattern (transformers' `full_attention_interval`): three Gated DeltaNet layers, then one full attention, repeated."
+    return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)]
 
 @dataclass
 class ModelConfig:
@@ -56,10 +60,17 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.001 # weight of the load-balancing loss in the training loss
     decoder_sparse_step: int = 1        # layer i is MoE when (i + 1) % step == 0 ...
     mlp_only_layers: list | None = None # ... and i is not listed here (those keep the dense MLP of hidden_dim)
+    attn_output_gate: bool = False      # attention's q_proj also gives a sigmoid output gate per head (Qwen3.5)
+    linear_key_heads: int = 0           # Gated DeltaNet q/k heads of the "linear_attention" layers (HF: linear_num_key_heads)
+    linear_value_heads: int = 0         # its value heads, a multiple of the key heads (HF: linear_num_value_heads)
+    linear_key_head_dim: int = 128      # HF: linear_key_head_dim
+    linear_value_head_dim: int = 128    # HF: linear_value_head_dim
+    linear_conv_kernel: int = 4         # width of its causal depthwise convolution (HF: linear_conv_kernel_dim)
 
     def __post_init__(self):
         if self.head_dim is None: self.head_dim = self.dim // self.n_heads
         if self.arch not in ARCHS: raise ValueError(f"arch={self.arch!r} is not one of {ARCHS}")
+        if self.arch == "qwen3_5_text" and self.layer_types is None: self.layer_types = qwen3_5_layer_types(self.n_layers)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         if self.rotary_dim % 2: raise ValueError(f"the rotated width {self.rotary_dim} (head_dim={self.head_dim} x "
@@ -71,6 +82,9 @@ class ModelConfig:
                 raise ValueError(f"layer_types must list one of {LAYER_TYPES} per layer ({self.n_layers}); got {self.layer_types}")
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise ValueError("layer_types has sliding_attention layers but sliding_window is None; set the window.")
+            if "linear_attention" in self.layer_types and (self.linear_key_heads < 1 or self.linear_value_heads % self.linear_key_heads):
+                raise ValueError(f"linear_attention layers need linear_key_heads >= 1 dividing linear_value_heads; got "
+                                 f"{self.linear_key_heads} and {self.linear_value_heads}")
         if self.no_rope_layers is not None and (len(self.no_rope_layers) != self.n_layers or set(self.no_rope_layers) - {0, 1}):
             raise ValueError(f"no_rope_layers must give 1 (RoPE) or 0 (NoPE) per layer ({self.n_layers}); got {self.no_rope_layers}")
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -92,6 +106,10 @@ class ModelConfig:
         if self.sliding_window is None: return None
         if self.layer_types is None: return self.sliding_window
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    def is_linear(self, i: int) -> bool:
+        "Whether layer `i` is a Gated DeltaNet (linear attention) layer."
+        return self.layer_types is not None and self.layer_types[i] == "linear_attention"
 
     def is_moe(self, i: int) -> bool:
         "Whether layer `i` has the MoE feed-forward (Qwen3-MoE's rule: every `decoder_sparse_step`-th, not in `mlp_only_layers`)."
