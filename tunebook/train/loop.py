@@ -87,7 +87,7 @@ def _fit_owned(self: Trainer, progress: bool, stops: StopRequests | None = None)
             bar.update(1)
             if c.eval_every and self.step % c.eval_every == 0 and self.step < c.max_steps: row.update(self.evaluate())
             if self.step % c.log_every == 0 or self.step == c.max_steps:
-                bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}")
+                bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}", **({"epoch": f"{row['epoch']:.2f}"} if "epoch" in row else {}))
                 self.log(row)
             if c.save_every and self.step % c.save_every == 0:
                 with stops.saving(): self.save_checkpoint()
