@@ -171,6 +171,16 @@ def test_qlora_experts_are_nf4_close_to_the_dequantized_reference_and_train():
         full.load_state_dict(lora_state_dict(q), strict=False)
         rel = ((q(ids) - full(ids)).norm() / full(ids).norm()).item()
         assert rel < 0.3, rel
+    # gradients through the NF4 experts (dequantized again in backward) are the reference's: to the attention adapters too
+    for model in (q, ref):
+        nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
+    gq, gr = ({n: p.grad for n, p in m.named_parameters() if p.requires_grad} for m in (q, ref))
+    assert gq.keys() == gr.keys() and all(torch.allclose(gq[n], gr[n], atol=1e-5) for n in gq)
+    q.zero_grad(set_to_none=True)
+    # lora_bytes counts the NF4 experts' codes and scales as frozen bytes
+    from tunebook.memory import lora_bytes
+    nf4 = sum(b.nbytes for n, b in q.named_buffers() if "_nf4" in n or "_absmax" in n)
+    assert lora_bytes(q)["frozen"] == nf4 + sum(p.nbytes for p in {id(p): p for p in q.parameters()}.values() if not p.requires_grad)
     # a step trains the adapters only; the NF4 buffers do not move
     before = {k: v.clone() for k, v in q.state_dict().items() if "_nf4" in k}
     opt = torch.optim.AdamW([p for p in q.parameters() if p.requires_grad], lr=1e-2)
