@@ -222,3 +222,24 @@ def test_memory_estimate_of_an_moe_expert_lora_step_equals_the_measured_one(meth
         rough = rough_estimate(cfg, lora_experts=True, **kw)
         assert rough.categories["parameters"] == r.categories["parameters"]
         assert rough.categories["optimizer"] == r.categories["optimizer"]
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_the_training_loop_trains_expert_adapters(tmp_path, method):
+    "TrainConfig(lora_targets=(..., 'experts')): the trainer's steps move the expert adapters, and the run saves them for peft."
+    from conftest import hf_model
+    from test_moe import CONFIGS
+    from tunebook.checkpoint import load_embedded
+    from tunebook.train import TrainConfig, Trainer
+    _, tok = load_embedded()
+    hf = hf_model("qwen3_moe", seed=0, **{**CONFIGS["raw-topk"], "vocab_size": len(tok)})
+    hf.save_pretrained(tmp_path / "m"); tok.save(tmp_path / "m")
+    tr = Trainer(TrainConfig(model=str(tmp_path / "m"), method=method, dtype="fp32", batch_size=4, max_steps=2, n_train=16, lr=1e-2,
+                             eval_samples=0, lora_rank=4, lora_targets="q_proj,experts", output_dir=str(tmp_path / "run"))).setup()
+    lx = tr.model.layers[0].mlp.experts
+    assert isinstance(lx, LoRAExperts) and lx.quantized == (method == "qlora")
+    for _ in range(2): row = tr.train_step()
+    assert torch.isfinite(torch.tensor(row["loss"])) and lx.lora_down_proj.lora_B.abs().max() > 0
+    save_adapter(tr.model, tmp_path / "ad", base_model_name_or_path=str(tmp_path / "m"))
+    cfg = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
+    assert cfg["target_parameters"] == ALL and cfg["target_modules"] == ["q_proj"]
