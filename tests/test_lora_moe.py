@@ -92,7 +92,22 @@ def test_fresh_adapters_change_nothing_disable_and_merge_exactly():
     merged = merge_lora(copy.deepcopy(m))
     assert type(merged.layers[0].mlp.experts) is Experts and not expert_lora_modules(merged)
     torch.testing.assert_close(merged(ids), out, atol=1e-5, rtol=0)
-    with pytest.raises(NotImplementedError, match="replace=False"): merge_lora(copy.deepcopy(m), replace=False)
+    # in place and reversibly (GRPO's weight sync): merged output, base inside disable_adapters, exact unmerge, remerge
+    from tunebook.lora import remerge_lora, unmerge_lora
+    lx = m.layers[0].mlp.experts
+    orig = {n: getattr(lx, n) for n in ("gate_proj", "up_proj", "down_proj")}
+    merge_lora(m, replace=False)
+    assert lx.merged and lx.gate_proj is not orig["gate_proj"]
+    torch.testing.assert_close(m(ids), out, atol=1e-5, rtol=0)
+    with disable_adapters(m): torch.testing.assert_close(m(ids), ref, atol=0, rtol=0)
+    _randomise_B(m, seed=2)
+    remerge_lora(m)
+    fresh = copy.deepcopy(m); unmerge_lora(fresh)
+    torch.testing.assert_close(m(ids), fresh(ids), atol=1e-5, rtol=0)
+    unmerge_lora(m)
+    assert not lx.merged and all(getattr(lx, n) is p for n, p in orig.items())
+    q = apply_lora(copy.deepcopy(base), targets="experts", quantize_base=True)
+    with pytest.raises(ValueError, match="NF4 experts cannot be merged in place"): merge_lora(q, replace=False)
 
 
 TARGETS = {"experts": (["experts"], [], ALL),

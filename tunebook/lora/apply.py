@@ -171,9 +171,10 @@ def merge_lora(model: nn.Module, replace: bool = True) -> nn.Module:
     "Fold every adapter into its base weight; `replace=True` turns the layers into plain nn.Linear."
     mods, ex = lora_modules(model), expert_lora_modules(model)
     if not mods and not ex: raise ValueError("merge_lora: the model has no LoRA layers (apply_lora or load_adapter first).")
-    if ex and not replace:
-        raise NotImplementedError("merge_lora(replace=False) of MoE expert adapters is not supported yet; use replace=True.")
-    for n, m in ex.items():   # into plain Experts holding the merged stacked weights
+    if not replace and any(m.quantized for m in ex.values()):
+        raise ValueError("merge_lora: NF4 experts cannot be merged in place; use replace=True.")
+    for n, m in ex.items():   # in place (reversibly), or into plain Experts holding the merged stacked weights
+        if not replace: m.merge_(); continue
         with torch.device("meta"): new = Experts(m.n_experts, m.shapes["gate_proj"][2], m.shapes["gate_proj"][1], m.act)
         for k, v in m.merged_weights().items(): setattr(new, k, nn.Parameter(v, requires_grad=False))
         _replace(model, n, new)
@@ -200,7 +201,8 @@ def merge_lora(model: nn.Module, replace: bool = True) -> nn.Module:
 def unmerge_lora(model: nn.Module) -> nn.Module:
     "Undo `merge_lora(model, replace=False)` exactly: the original weights come back."
     mods = {n: m for n, m in lora_modules(model).items() if m.merged}
-    if not mods:
+    for m in (ex := [m for m in expert_lora_modules(model).values() if m.merged]): m.unmerge_()
+    if not mods and not ex:
         raise ValueError("unmerge_lora: no merged LoRA layers; only merge_lora(model, replace=False) can be undone "
                          "(replace=True turns them into plain nn.Linear).")
     for n, m in mods.items():
@@ -230,7 +232,8 @@ def disable_adapters(model: nn.Module):
 def remerge_lora(model: nn.Module) -> nn.Module:
     "Refresh, in place, the weights of `merge_lora(model, replace=False)` after the adapters changed."
     mods = [m for m in lora_modules(model).values() if m.merged]
-    if not mods: raise ValueError("remerge_lora: no merged LoRA layers; call merge_lora(model, replace=False) first.")
+    for m in (ex := [m for m in expert_lora_modules(model).values() if m.merged]): m.remerge_()
+    if not mods and not ex: raise ValueError("remerge_lora: no merged LoRA layers; call merge_lora(model, replace=False) first.")
     for m in mods:  # merge_lora refuses quantized bases in place, so W0 is a plain tensor of the weight's dtype
         W0, out = m.__dict__["_unmerged"], m.weight
         torch.addmm(W0, m.lora_B.weight.to(W0.dtype), m.lora_A.weight.to(W0.dtype), alpha=m.scaling, out=out)

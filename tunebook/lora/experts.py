@@ -63,7 +63,7 @@ class LoRAExperts(Experts):
         if bad: raise ValueError(f"unknown expert tensor(s) {bad}; the stacked expert tensors are {EXPERT_PARAMS}.")
         if not isinstance(rank, int) or rank <= 0: raise ValueError(f"LoRA rank must be a positive integer, got rank={rank!r}")
         for n in _STACKS: setattr(self, n, getattr(experts, n).requires_grad_(False))
-        self.act, self.nf4, self.disabled = experts.act, None, False
+        self.act, self.nf4, self.disabled, self.merged = experts.act, None, False, False
         self.rank, self.alpha, self.use_rslora = rank, alpha, use_rslora
         E, I, D = self.gate_proj.shape
         self.shapes = {n: tuple(getattr(self, n).shape) for n in _STACKS}
@@ -104,7 +104,9 @@ class LoRAExperts(Experts):
 
     def base_weights(self, dtype=None) -> dict[str, torch.Tensor]:
         "The three frozen stacked weights, dequantized if stored in NF4."
-        if not self.quantized: return {n: getattr(self, n) if dtype is None else getattr(self, n).to(dtype) for n in _STACKS}
+        if not self.quantized:   # merged in place: the original weights, kept aside
+            src = self.__dict__["_unmerged"] if self.merged else {n: getattr(self, n) for n in _STACKS}
+            return {n: w if dtype is None else w.to(dtype) for n, w in src.items()}
         return {n: torch.stack([self.expert_weight(n, e, dtype) for e in range(self.n_experts)]) for n in _STACKS}
 
     @property
@@ -128,9 +130,10 @@ def forward(self: LoRAExperts, x, idx, w):  # x (N, dim), expert ids (N, k), rou
     act, outs, I = ACTIVATIONS[self.act], [], self.shapes["gate_proj"][1]
     if self.quantized: base = lambda s, n, e: _NF4Expert.apply(s, self, n, e)
     else:
-        Ws = {n: getattr(self, n).unbind(0) for n in _STACKS}
+        src = self.__dict__["_unmerged"] if self.merged and self.disabled else {n: getattr(self, n) for n in _STACKS}
+        Ws = {n: w.unbind(0) for n, w in src.items()}
         base = lambda s, n, e: F.linear(s, Ws[n][e])
-    ad = {} if self.disabled else {n: (a.lora_A.to(x.dtype).unbind(0), a.lora_B.to(x.dtype).unbind(0), a.scaling)
+    ad = {} if self.disabled or self.merged else {n: (a.lora_A.to(x.dtype).unbind(0), a.lora_B.to(x.dtype).unbind(0), a.scaling)
                                    for n, a in self.adapters.items()}
     for e, s in enumerate(x[token].split(counts)):
         if not len(s): continue
@@ -156,3 +159,28 @@ def merged_weights(self: LoRAExperts) -> dict[str, torch.Tensor]:
             W["gate_proj"], W["up_proj"] = W["gate_proj"] + d[:, :I], W["up_proj"] + d[:, I:]
         if (a := self.lora_down_proj) is not None: W["down_proj"] = W["down_proj"] + a.delta().to(W["down_proj"].dtype)
         return {n: v.to(self.nf4["dtype"]) if self.quantized else v for n, v in W.items()}
+
+@patch
+def merge_(self: LoRAExperts):
+    "Fold the adapters into the stacked weights in place, reversibly (`unmerge_` gives the original Parameters back)."
+    if self.quantized: raise ValueError("NF4 experts cannot be merged in place; use merge_lora(model, replace=True).")
+    if self.merged: return self
+    W = self.merged_weights()
+    self.__dict__["_unmerged"] = {n: getattr(self, n) for n in _STACKS}
+    for n in _STACKS: setattr(self, n, nn.Parameter(W[n], requires_grad=False))
+    self.merged = True
+    return self
+
+@patch
+def unmerge_(self: LoRAExperts):
+    "Undo `merge_` exactly."
+    for n, p in self.__dict__.pop("_unmerged").items(): setattr(self, n, p)
+    self.merged = False
+    return self
+
+@patch
+def remerge_(self: LoRAExperts):
+    "Refresh the in-place merged weights after the adapters changed."
+    with torch.no_grad():
+        for n, W in self.merged_weights().items(): getattr(self, n).copy_(W)
+    return self
