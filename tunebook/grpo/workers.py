@@ -48,10 +48,10 @@ def copy_state(tensors: dict, state: dict, what: str):
 
 def load_policy(model, shared: dict, lora: dict | None, params: dict):
     "Load the published policy: adapters merged into the base weights (LoRA), or the whole state (full)."
-    from tunebook.lora import merge_lora, remerge_lora, lora_modules
+    from tunebook.lora import expert_lora_modules, merge_lora, remerge_lora, lora_modules
     copy_state(params, shared, "published")
     if lora is None: return
-    if any(m.merged for m in lora_modules(model).values()): remerge_lora(model)
+    if any(m.merged for m in [*lora_modules(model).values(), *expert_lora_modules(model).values()]): remerge_lora(model)
     else: merge_lora(model, replace=False)
 
 # %% ../../nbs/15_grpo.ipynb #eca25c48

@@ -8,5 +8,6 @@ __all__ = []
 # %% ../../nbs/06_lora.ipynb #bfe59f20
 from .nf4 import *
 from .layers import *
+from .experts import *
 from .apply import *
 from .adapters import *

@@ -19,17 +19,19 @@ from ..checkpoint import hf_key
 from ..core import check_dir, read_json
 from .nf4 import FrozenLinear
 from .layers import LoRALinear
-from .apply import _freeze_all_but_adapters, _linear_names, _matches, _wrap, lora_modules
+from ..moe import Experts
+from .experts import EXPERT_PARAMS, LoRAExperts
+from .apply import _freeze_all_but_adapters, _linear_names, _replace, _matches, _wrap, expert_lora_modules, lora_modules
 
 # %% auto #0
-__all__ = ['lora_state_dict', 'save_adapter', 'targeted_modules', 'load_adapter']
+__all__ = ['lora_state_dict', 'save_adapter', 'targeted_modules', 'load_adapter', 'peft_expert_tensors', 'take_expert_tensors']
 
 # %% ../../nbs/06_lora.ipynb #cd1eadc4
 _KINDS = ("lora_A.weight", "lora_B.weight", "lora_magnitude_vector")
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     "Only the adapter tensors of `model` (our names)."
-    return {k: v for k, v in model.state_dict().items() if k.endswith(tuple("." + s for s in _KINDS))}
+    return {k: v for k, v in model.state_dict().items() if k.endswith(tuple("." + s for s in _KINDS + ("lora_A", "lora_B")))}
 
 # %% ../../nbs/06_lora.ipynb #370aa7ad
 def _atomic_write(path: Path, write):
@@ -46,16 +48,18 @@ def save_adapter(model: nn.Module, path,
                  base_model_name_or_path: str | None = None,  # the base's hub id or folder; default: where load_hf read it
                  ) -> Path:
     "Write the adapters of `model` as a peft folder: adapter_config.json + adapter_model.safetensors."
-    mods = lora_modules(model)
-    if not mods: raise ValueError("save_adapter: the model has no LoRA layers (apply_lora first).")
+    mods, ex = lora_modules(model), expert_lora_modules(model)
+    if not mods and not ex: raise ValueError("save_adapter: the model has no LoRA layers (apply_lora first).")
     settings = {(m.rank, m.alpha, m.dropout_p, m.dora, m.use_rslora) for m in mods.values()}
+    settings |= {(m.rank, m.alpha, 0.0, False, m.use_rslora) for m in ex.values()}
     if len(settings) > 1:
         raise NotImplementedError(f"save_adapter: layers have different LoRA settings {sorted(settings)}; "
                                   "peft's rank_pattern/alpha_pattern are not written yet.")
     r, alpha, dropout, dora, rslora = settings.pop()
     linear = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, FrozenLinear)) and ".lora_" not in n]
     short = sorted({n.rsplit(".", 1)[-1] for n in mods})
-    if {n for n in linear if n.rsplit(".", 1)[-1] in short} == set(mods): targets = short
+    if not mods: targets = []   # peft: target_modules=[] when only target_parameters are adapted
+    elif {n for n in linear if n.rsplit(".", 1)[-1] in short} == set(mods): targets = short
     else: targets = sorted(hf_key(n + ".weight").removesuffix(".weight") for n in mods)
     name = base_model_name_or_path or getattr(model, "name_or_path", None)
     if name is not None and Path(name).is_dir(): name = str(Path(name).resolve())  # a local folder: absolute, so it loads from anywhere
@@ -67,10 +71,14 @@ def save_adapter(model: nn.Module, path,
                use_rslora=rslora, bias="none", lora_bias=False, fan_in_fan_out=False, init_lora_weights=True,
                inference_mode=True, modules_to_save=None, layers_to_transform=None, layers_pattern=None,
                rank_pattern={}, alpha_pattern={}, exclude_modules=None)
+    ex_tensors, target_parameters = peft_expert_tensors(model)
+    if target_parameters: cfg["target_parameters"] = target_parameters
     tensors = {}
     for k, v in lora_state_dict(model).items():
+        if not k.endswith(tuple("." + s for s in _KINDS)): continue   # expert adapters: peft's layout below
         mod, kind = next((k[:-len(s) - 1], s) for s in _KINDS if k.endswith("." + s))
         tensors[f"base_model.model.{hf_key(mod + '.weight').removesuffix('.weight')}.{kind}"] = v.detach().cpu().contiguous()
+    tensors.update(ex_tensors)
     path = Path(path); path.mkdir(parents=True, exist_ok=True)
     _atomic_write(path / "adapter_model.safetensors", lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
     _atomic_write(path / "adapter_config.json", lambda p: p.write_text(json.dumps(cfg, indent=2)))
@@ -121,6 +129,8 @@ def targeted_modules(model: nn.Module, cfg: dict) -> set[str] | None:
 def load_adapter(model: nn.Module, path, adapter_dtype: torch.dtype | None = None) -> nn.Module:
     "Load a peft LoRA/DoRA adapter folder onto `model` (wrapping the layers it adapts)."
     cfg, tensors, wfile = _read_adapter(path)
+    ex = take_expert_tensors(model, cfg, tensors, wfile)   # peft's expert adapters, popped from `tensors`
+    if ex and cfg.get("use_dora"): raise ValueError(f"{wfile}: DoRA on stacked MoE experts is not supported.")
     groups: dict[str, dict] = {}
     for k, v in tensors.items():
         key = k.removeprefix("base_model.model.")
@@ -170,5 +180,67 @@ def load_adapter(model: nn.Module, path, adapter_dtype: torch.dtype | None = Non
         with torch.no_grad():
             m.lora_A.weight.copy_(g["lora_A.weight"][1]); m.lora_B.weight.copy_(g["lora_B.weight"][1])
             if dora: m.lora_magnitude_vector.copy_(g["lora_magnitude_vector"][1])
+    for n, ps in ex.items():
+        m, r = model.get_submodule(n), next(iter(ps.values()))[0].shape[1]
+        if isinstance(m, LoRAExperts):
+            if m.quantized or list(m.adapters) != list(ps) or m.rank != r:
+                raise ValueError(f"{n} is already quantized or adapted (adapters {list(m.adapters)}, rank {m.rank}); the "
+                                 f"file adapts {list(ps)} at rank {r}: load adapters before quantize_base.")
+        else:
+            m = LoRAExperts(m, r, cfg.get("lora_alpha", 8), list(ps), cfg.get("use_rslora", False), adapter_dtype)
+            _replace(model, n, m)
+        with torch.no_grad():
+            for p, (A, B) in ps.items(): m.adapters[p].lora_A.copy_(A); m.adapters[p].lora_B.copy_(B)
     _freeze_all_but_adapters(model)
     return model
+
+# %% ../../nbs/06_lora.ipynb #f54bfd8c
+def _experts_targeted(cfg: dict, name: str) -> list[str]:
+    "transformers' expert tensors of our module `name` that peft's `target_parameters` names, in peft's nesting order."
+    tp = cfg.get("target_parameters") or []
+    return [p for p in EXPERT_PARAMS if any(k == t or k.endswith("." + t) for t in tp for k in [f"model.{name}.{p}"])]
+
+def peft_expert_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
+    "The expert adapters of `model` in peft 0.18's ParamWrapper layout, and the `target_parameters` that name them."
+    ex = expert_lora_modules(model)
+    if not ex: return {}, []
+    kinds = {tuple(m.adapters) for m in ex.values()}
+    if len(kinds) > 1 or set(ex) != {n for n, m in model.named_modules() if isinstance(m, Experts)}:
+        raise NotImplementedError("save_adapter: peft's target_parameters adapt the same expert tensors in every MoE "
+                                  f"layer; this model adapts {sorted(kinds)} in {len(ex)} of them.")
+    out = {}
+    for n, m in ex.items():
+        for depth, p in enumerate(reversed(m.adapters)):   # gate_up_proj's wrapper innermost (.base_layer)
+            a, key = m.adapters[p], f"base_model.model.{hf_key(n + '.weight').removesuffix('.weight')}" + ".base_layer" * depth
+            E, o, r = a.lora_B.shape
+            out[key + ".lora_A.weight"] = a.lora_B.detach().transpose(1, 2).reshape(E * r, o).cpu().contiguous()      # row e*r+j: B_e[:, j]
+            out[key + ".lora_B.weight"] = a.lora_A.detach().permute(2, 1, 0).reshape(-1, r * E).cpu().contiguous()    # column j*E+e: A_e[j]
+    return out, sorted(f"mlp.experts.{p}" for p in kinds.pop())
+
+def take_expert_tensors(model: nn.Module, cfg: dict, tensors: dict, wfile="adapter") -> dict[str, dict]:
+    "Pop peft's expert adapter tensors from `tensors`: our module name -> {tensor name: (A (E, r, in), B (E, out, r))}."
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, Experts)}
+    found = {}
+    for k in list(tensors):
+        mt = re.fullmatch(r"base_model\.model\.(?:model\.)?(.+\.experts)((?:\.base_layer)*)\.(lora_[AB])\.weight", k)
+        if mt and mt[1] in experts: found.setdefault(mt[1], {})[(mt[2].count(".base_layer"), mt[3])] = tensors.pop(k)
+    named = [n for n in experts if _experts_targeted(cfg, n)]
+    if set(named) - set(found):
+        raise ValueError(f"{wfile}: target_parameters={cfg.get('target_parameters')!r} names the experts of {len(named)} "
+                         f"layer(s), but it holds adapters for {len(found)}: was it trained on another base model?")
+    out = {}
+    for n, g in found.items():
+        m, present = experts[n], _experts_targeted(cfg, n)
+        if sorted({d for d, _ in g}) != list(range(len(present))) or not present:
+            raise ValueError(f"{wfile}: {n} holds {len({d for d, _ in g})} expert adapter(s), but target_parameters="
+                             f"{cfg.get('target_parameters')!r} names {present} there.")
+        E, I, D = m.shapes["gate_proj"] if isinstance(m, LoRAExperts) else m.gate_proj.shape
+        for d, p in enumerate(reversed(present)):
+            (o, i), Ap, Bp = {"gate_up_proj": (2 * I, D), "down_proj": (D, I)}[p], g.get((d, "lora_A")), g.get((d, "lora_B"))
+            if Ap is None or Bp is None or Ap.ndim != 2 or Ap.shape[0] % E or Ap.shape[1] != o or tuple(Bp.shape) != (i, Ap.shape[0]):
+                raise ValueError(f"{wfile}: the adapter of {n}.{p} has shapes {[tuple(t.shape) for t in (Ap, Bp) if t is not None]}, "
+                                 f"but this model's {p} needs (n_experts * r, {o}) and ({i}, n_experts * r) with n_experts={E}; "
+                                 "the adapter was trained on a base model of another shape.")
+            r = Ap.shape[0] // E
+            out.setdefault(n, {})[p] = (Bp.reshape(i, r, E).permute(2, 1, 0), Ap.reshape(E, r, o).transpose(1, 2))
+    return {n: {p: ps[p] for p in EXPERT_PARAMS if p in ps} for n, ps in out.items()}

@@ -14,14 +14,31 @@ from torch import nn
 from .nf4 import FrozenLinear
 from ..core import patch
 from .layers import LoRALinear
+from ..moe import Experts
+from .experts import EXPERT_PARAMS, LoRAExperts
 
 # %% auto #0
-__all__ = ['lora_modules', 'apply_lora', 'quantize_base', 'merge_lora', 'unmerge_lora', 'disable_adapters', 'remerge_lora']
+__all__ = ['lora_modules', 'expert_lora_modules', 'apply_lora', 'quantize_base', 'merge_lora', 'unmerge_lora', 'disable_adapters',
+           'remerge_lora']
 
 # %% ../../nbs/06_lora.ipynb #9d4c3c4b
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
     "Name -> LoRALinear for every adapter layer in `model`."
     return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+def expert_lora_modules(model: nn.Module) -> dict[str, LoRAExperts]:
+    "Name -> LoRAExperts with adapters (per-expert LoRA on stacked MoE experts) in `model`."
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoRAExperts) and m.adapters}
+
+def _split_expert_targets(targets) -> tuple[list[str], tuple]:
+    "The stacked expert tensors that `targets` names as peft's target_parameters do (\"experts\": both), and the rest."
+    ex, rest = set(), []
+    for t in targets:
+        head, _, last = t.rpartition(".")
+        if t == "experts" or t.endswith(".experts"): ex.update(EXPERT_PARAMS)
+        elif last in EXPERT_PARAMS and (head == "experts" or head.endswith(".experts")): ex.add(last)
+        else: rest.append(t)
+    return [p for p in EXPERT_PARAMS if p in ex], tuple(rest)
 
 def _linear_names(model: nn.Module) -> list[str]:
     return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, (nn.Linear, FrozenLinear))
@@ -39,6 +56,8 @@ def _freeze_all_but_adapters(model: nn.Module):
     for m in lora_modules(model).values():
         for p in (m.lora_A.weight, m.lora_B.weight, m.lora_magnitude_vector):
             if p is not None: p.requires_grad_(True)
+    for m in expert_lora_modules(model).values():
+        for a in m.adapters.values(): a.lora_A.requires_grad_(True); a.lora_B.requires_grad_(True)
 
 def _wrap(model, names, **kw):
     for n in names:
@@ -47,10 +66,17 @@ def _wrap(model, names, **kw):
             raise ValueError(f"{n} is already quantized to NF4; apply LoRA first, then quantize_base(model).")
         _replace(model, n, LoRALinear.from_linear(lin, **kw))
 
+def _wrap_experts(model, params, rank, alpha, use_rslora=False, adapter_dtype=None):
+    for n, m in list(model.named_modules()):
+        if isinstance(m, LoRAExperts):
+            raise ValueError(f"{n} is already frozen or quantized experts; apply LoRA first, then quantize_base(model).")
+        if isinstance(m, Experts): _replace(model, n, LoRAExperts(m, rank, alpha, params, use_rslora, adapter_dtype))
+
 def apply_lora(model: nn.Module,
                rank: int = 8,                 # r
                alpha: float = 16,             # scale = alpha / r
-               targets=("q_proj", "v_proj"),  # module names (or name suffixes), or "all-linear" (every linear but lm_head)
+               targets=("q_proj", "v_proj"),  # module names (or name suffixes), "all-linear" (every linear but lm_head);
+                                   # MoE experts: "experts.gate_up_proj", "experts.down_proj", or "experts" (both)
                dora: bool = False,            # DoRA: also learn a magnitude per output row
                dropout: float = 0.0,          # dropout on the adapter input
                use_rslora: bool = False,      # scale = alpha / sqrt(r)
@@ -59,23 +85,33 @@ def apply_lora(model: nn.Module,
                ) -> nn.Module:
     "Freeze `model` and wrap its `targets` linear layers with trainable LoRA (or DoRA) adapters."
     if not isinstance(rank, int) or rank <= 0: raise ValueError(f"LoRA rank must be a positive integer, got rank={rank!r}")
-    if lora_modules(model):
-        raise ValueError(f"the model already has LoRA adapters on {list(lora_modules(model))[:3]}...; "
+    if lora_modules(model) or expert_lora_modules(model):
+        raise ValueError(f"the model already has LoRA adapters on {list(lora_modules(model) or expert_lora_modules(model))[:3]}...; "
                          "merge_lora(model) first, or apply LoRA to a fresh base model.")
     linear = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, FrozenLinear))]
     available = _linear_names(model)
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    ex, targets = _split_expert_targets(targets)
+    if ex:
+        if not any(isinstance(m, Experts) for m in model.modules()):
+            raise ValueError(f"LoRA targets {ex} name stacked MoE expert tensors, but this model has no MoE layers.")
+        if dora: raise ValueError("DoRA on stacked MoE experts is not supported (peft 0.18's ParamWrapper refuses it too); "
+                                  "use LoRA there, or DoRA on linear targets only.")
+        if dropout: raise ValueError("LoRA dropout on stacked MoE experts is not supported (peft 0.18's ParamWrapper "
+                                     "refuses it too); pass dropout=0.")
     if "all-linear" in targets:   # also ("all-linear",), as a comma-split CLI flag gives it
         if len(targets) > 1: raise ValueError(f"targets={targets}: 'all-linear' already names every linear layer but "
                                               "lm_head; pass it alone, or list module names instead.")
         targets = tuple(t for t in available if t != "lm_head")
     unknown = [t for t in targets if not any(_matches(n, [t]) for n in linear)]
-    if unknown or not targets:
+    if unknown or not (targets or ex):
         fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
         hint = "".join(f" This model fuses {'/'.join(parts)} into {f} (Phi-3): target {f!r}." for f, parts in fused.items()
                        if f in available and any(t in parts for t in unknown))
         raise ValueError(f"unknown LoRA target(s) {unknown or targets}; the linear modules of this model are "
-                         f"{available} (or use 'all-linear').{hint}")
+                         f"{available} (or use 'all-linear')"
+                         + (", and 'experts' for the stacked MoE experts" if any(isinstance(m, Experts) for m in model.modules()) else "")
+                         + f".{hint}")
     names = [n for n in linear if _matches(n, targets)]
     if "lm_head" in names:
         warnings.warn("LoRA on lm_head: model.output_weight is the frozen base weight and does not include the "
@@ -84,6 +120,7 @@ def apply_lora(model: nn.Module,
                          if getattr(getattr(model, "config", None), "tie_embeddings", False) else ""))
     _wrap(model, names, rank=rank, alpha=alpha, dropout=dropout, dora=dora, use_rslora=use_rslora,
           adapter_dtype=adapter_dtype)
+    if ex: _wrap_experts(model, ex, rank, alpha, use_rslora, adapter_dtype)
     _freeze_all_but_adapters(model)
     if quantize_base: _quantize(model)
     return model
@@ -94,10 +131,13 @@ def quantize_base(model: nn.Module,
                   double_quant: bool = True,    # int8 scales (QLoRA's double quantization)
                   skip=("lm_head",),            # module names (or suffixes) left in full precision
                   ) -> nn.Module:
-    "QLoRA: store the frozen weights of the linear layers in NF4, dequantized on the fly."
+    "QLoRA: store the frozen weights of the linear layers and of MoE experts in NF4, dequantized on the fly."
     embeds = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for n, m in list(model.named_modules()):
         if _matches(n, skip) or ".lora_" in n or n.startswith("lora_"): continue
+        if isinstance(m, Experts):   # stacked experts, adapted or not: each expert in NF4 on its own
+            if not isinstance(m, LoRAExperts): m = LoRAExperts(m, targets=()); _replace(model, n, m)
+            m.quantize_(block_size, double_quant); continue
         if isinstance(m, nn.Linear):
             if id(m.weight) in embeds: continue
             m = FrozenLinear.from_linear(m); _replace(model, n, m)
@@ -129,8 +169,15 @@ def _untie(model, name):
 
 def merge_lora(model: nn.Module, replace: bool = True) -> nn.Module:
     "Fold every adapter into its base weight; `replace=True` turns the layers into plain nn.Linear."
-    mods = lora_modules(model)
-    if not mods: raise ValueError("merge_lora: the model has no LoRA layers (apply_lora or load_adapter first).")
+    mods, ex = lora_modules(model), expert_lora_modules(model)
+    if not mods and not ex: raise ValueError("merge_lora: the model has no LoRA layers (apply_lora or load_adapter first).")
+    if not replace and any(m.quantized for m in ex.values()):
+        raise ValueError("merge_lora: NF4 experts cannot be merged in place; use replace=True.")
+    for n, m in ex.items():   # in place (reversibly), or into plain Experts holding the merged stacked weights
+        if not replace: m.merge_(); continue
+        with torch.device("meta"): new = Experts(m.n_experts, m.shapes["gate_proj"][2], m.shapes["gate_proj"][1], m.act)
+        for k, v in m.merged_weights().items(): setattr(new, k, nn.Parameter(v, requires_grad=False))
+        _replace(model, n, new)
     for n, m in mods.items():
         if m.merged:
             if not replace: continue
@@ -154,7 +201,8 @@ def merge_lora(model: nn.Module, replace: bool = True) -> nn.Module:
 def unmerge_lora(model: nn.Module) -> nn.Module:
     "Undo `merge_lora(model, replace=False)` exactly: the original weights come back."
     mods = {n: m for n, m in lora_modules(model).items() if m.merged}
-    if not mods:
+    for m in (ex := [m for m in expert_lora_modules(model).values() if m.merged]): m.unmerge_()
+    if not mods and not ex:
         raise ValueError("unmerge_lora: no merged LoRA layers; only merge_lora(model, replace=False) can be undone "
                          "(replace=True turns them into plain nn.Linear).")
     for n, m in mods.items():
@@ -171,7 +219,7 @@ def unmerge_lora(model: nn.Module) -> nn.Module:
 @contextmanager
 def disable_adapters(model: nn.Module):
     "Run `model` as its base model inside the `with` (e.g. as DPO's reference model)."
-    mods = lora_modules(model).values()
+    mods = [*lora_modules(model).values(), *expert_lora_modules(model).values()]
     if not mods: raise ValueError("disable_adapters: the model has no LoRA layers.")
     old = [m.disabled for m in mods]
     for m in mods: m.disabled = True
@@ -184,7 +232,8 @@ def disable_adapters(model: nn.Module):
 def remerge_lora(model: nn.Module) -> nn.Module:
     "Refresh, in place, the weights of `merge_lora(model, replace=False)` after the adapters changed."
     mods = [m for m in lora_modules(model).values() if m.merged]
-    if not mods: raise ValueError("remerge_lora: no merged LoRA layers; call merge_lora(model, replace=False) first.")
+    for m in (ex := [m for m in expert_lora_modules(model).values() if m.merged]): m.remerge_()
+    if not mods and not ex: raise ValueError("remerge_lora: no merged LoRA layers; call merge_lora(model, replace=False) first.")
     for m in mods:  # merge_lora refuses quantized bases in place, so W0 is a plain tensor of the weight's dtype
         W0, out = m.__dict__["_unmerged"], m.weight
         torch.addmm(W0, m.lora_B.weight.to(W0.dtype), m.lora_A.weight.to(W0.dtype), alpha=m.scaling, out=out)

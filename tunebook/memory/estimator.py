@@ -13,7 +13,7 @@ from torch._subclasses import FakeTensorMode
 
 from ..checkpoint import read_hf_config
 from ..core import count_params, human_bytes, seed_everything
-from ..lora import apply_lora, lora_modules
+from ..lora import apply_lora, expert_lora_modules, lora_modules
 from .formulas import fsdp_memory
 from .profile import profile_step
 from .tracker import MemoryReport
@@ -99,7 +99,8 @@ def estimate(model: str | Path | ModelConfig = "llama3.1-8b", # builder name, lo
         report = profile_step(m, **step, how="estimated: the training step run under FakeTensorMode on CPU "
                                              "kernels (no memory allocated), lean tracker")
         n_params, n_train = count_params(m), count_params(m, trainable_only=True)
-        adapted = sorted({k.rsplit(".", 1)[-1] for k in lora_modules(m)})   # the targets as applied
+        adapted = sorted({k.rsplit(".", 1)[-1] for k in lora_modules(m)}   # the targets as applied
+                         | {f"experts.{p}" for e in expert_lora_modules(m).values() for p in e.adapters})
         if nproc > 1:
             report.categories = fsdp_memory(m, nproc, param_dtype=dtype, categories=report.categories)
             report.peak_bytes = sum(report.categories.values())

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..core import get_dtype
-from ..lora import FrozenLinear
+from ..lora import FrozenLinear, LoRAExperts
 from ..model import ModelConfig, TransformerBlock, build_model, get_config
 from .tracker import MemoryReport
 
@@ -65,7 +65,7 @@ def lora_bytes(model: nn.Module, optim_states: int = 2) -> dict[str, int]:
     for p in {id(p): p for p in model.parameters()}.values():
         if p.requires_grad: trainable += p.numel() * p.element_size()
         else: frozen += p.numel() * p.element_size()
-    frozen += sum(m.base_nbytes for m in model.modules() if isinstance(m, FrozenLinear) and m.quantized)
+    frozen += sum(m.base_nbytes for m in model.modules() if isinstance(m, (FrozenLinear, LoRAExperts)) and m.quantized)
     out = dict(frozen=frozen, trainable=trainable, grads=trainable, optimizer=optim_states * trainable)
     out["total"] = sum(out.values())
     return out
@@ -117,11 +117,14 @@ def _n_params(c: ModelConfig) -> tuple[int, int, int]:
 
 def rough_estimate(cfg: ModelConfig, method="lora", batch_size=1, seq_len=2048, dtype="bf16", lora_rank=16, chunked_ce=0,
                    activation_checkpointing=False, activation_offloading=False, optimizer_in_backward=False,
-                   nproc: int = 1) -> MemoryReport:
+                   nproc: int = 1,
+                   lora_experts: bool = False,   # LoRA on the MoE experts too (lora_targets ("all-linear", "experts"))
+                   ) -> MemoryReport:
     "Bytes by category from a formula (exact for parameters and optimizer state, approximate for activations)."
     wb = 4 if dtype == "fp32" else 2
     q, kv, d, h, L = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.dim, cfg.hidden_dim, cfg.n_layers
     lin, total, n_tensors = _n_params(cfg)
+    n_moe, E, I = sum(cfg.is_moe(i) for i in range(L)), cfg.n_experts or 0, cfg.moe_hidden_dim or 0
     lins = _block_linears(cfg)   # adapters on every linear of a block ("all-linear")
     per_layer = [lins[:-3] if cfg.is_moe(i) else lins for i in range(L)]   # an MoE layer's experts are no linears
     if method == "full": trainable, biggest = total, cfg.vocab_size * d
@@ -130,7 +133,12 @@ def rough_estimate(cfg: ModelConfig, method="lora", batch_size=1, seq_len=2048, 
         n_tensors = 2 * sum(len(ls) for ls in per_layer)
         if method == "dora": trainable, n_tensors = trainable + sum(o for ls in per_layer for _, o, _ in ls), n_tensors * 3 // 2
         biggest = lora_rank * max(i + o for i, o, _ in lins)
-    params = (total - lin) * wb + (lin * (0.5 + 4 / 64) if method == "qlora" else lin * wb)
+        if lora_experts:   # per expert: gate_up_proj's A (r, dim), B (2I, r) and down_proj's A (r, I), B (dim, r), stacked
+            if method == "dora": raise ValueError("DoRA on MoE experts is not supported; lora_experts needs method lora or qlora.")
+            trainable += n_moe * E * lora_rank * (2 * d + 3 * I); n_tensors += 4 * n_moe
+            biggest = max(biggest, E * lora_rank * max(2 * I, d) if n_moe else 0)
+    quant = lin + (n_moe * E * 3 * d * I if method == "qlora" else 0)   # QLoRA stores the stacked experts in NF4 too
+    params = (total - quant) * wb + (quant * (0.5 + 4 / 64) if method == "qlora" else quant * wb)
     if method != "full": params += trainable * wb
     grads = (biggest if optimizer_in_backward else trainable) * wb
     optim = 2 * trainable * wb + 4 * n_tensors
