@@ -33,10 +33,13 @@ def test_threads_follow_the_cgroup_quota(monkeypatch, tmp_path):
     assert core.cpu_quota() == 1.0 and core.cpu_cores() == 1
     before = torch.get_num_threads()
     try:
-        torch.set_num_threads(2)
+        torch.set_num_threads(2); monkeypatch.setattr(core, "_TORCH_THREADS", 2)   # torch's own choice: 2
         said = core.fit_threads()
         assert torch.get_num_threads() == 1 and "1 torch threads for the 1 CPU(s) this process may use (cgroup quota 1)" in said
         assert "lowered from 2" in said, said
+        torch.set_num_threads(3)   # a caller's own number stands, and is said
+        assert "3 torch threads for the 1 CPU(s) this process may use (cgroup quota 1) (as the caller set them)" in core.fit_threads()
+        assert torch.get_num_threads() == 3
     finally: torch.set_num_threads(before)
     (tmp_path / "cpu.max").write_text("max 100000\n")
     assert core.cpu_quota() is None

@@ -48,13 +48,17 @@ def cpu_cores() -> int:
     return max(1, min(n, math.ceil(q))) if q else n
 
 # %% ../nbs/01_decoder.ipynb #9737520c
+_TORCH_THREADS = torch.get_num_threads()   # torch's own choice, before any caller changed it
+
 def fit_threads() -> str:
-    "Use at most the cores this process may use (affinity, cgroup quota); say how many threads torch runs, how they wait, and why."
+    "Use at most the cores this process may use (affinity, cgroup quota) unless the caller chose a number; say how many threads torch runs, how they wait, and why."
     n, cores = torch.get_num_threads(), cpu_cores()
-    if n > cores: torch.set_num_threads(cores)
+    lower = n > cores and n == _TORCH_THREADS   # torch's default, not the caller's torch.set_num_threads
+    if lower: torch.set_num_threads(cores)
     q, policy = cpu_quota(), os.environ.get("OMP_WAIT_POLICY")
     limit = f"the {cores} CPU(s) this process may use" + (f" (cgroup quota {q:g})" if q else "")
-    said = f"{torch.get_num_threads()} torch threads for {limit}" + (f", lowered from {n}" if n > cores else "")
+    said = f"{torch.get_num_threads()} torch threads for {limit}" + (f", lowered from {n}" if lower else
+                                                                      " (as the caller set them)" if n != _TORCH_THREADS else "")
     if os.environ.get("TUNEBOOK_SET_OMP_WAIT") and policy == "PASSIVE":
         how = "they sleep while they wait (OMP_WAIT_POLICY=PASSIVE, set by tunebook: spinning threads made a step 4x slower on a shared CPU)"
     elif policy: how = f"OMP_WAIT_POLICY={policy}, as set"
