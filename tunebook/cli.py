@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -89,8 +90,17 @@ def _eval_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("lm-evaluation-harness after training (tunebook eval)")
     g.add_argument("--eval-tasks", default=None, metavar="A,B,...",
                    help="score the base model and the trained one on these lm_eval tasks; summary.json gets lm_eval_before / lm_eval_after")
-    g.add_argument("--eval-include-path", default=None, metavar="DIR", help="a folder of your own lm_eval task YAML files")
-    g.add_argument("--eval-limit", type=float, default=None, metavar="N", help="examples per task (a fraction if < 1; default: all)")
+    g.add_argument("--eval-include-path", default=None, metavar="DIR", action=_Checked, help="a folder of your own lm_eval task YAML files")
+    g.add_argument("--eval-limit", type=float, default=None, metavar="N", action=_Checked, help="examples per task (a fraction if < 1; default: all)")
+
+class _Checked(argparse.Action):
+    "Store a value of --eval-limit (finite, > 0) or --eval-include-path (a folder) once checked: wrong ones stop at parsing, before training."
+    def __call__(self, parser, namespace, value, option_string=None):
+        if self.dest == "eval_limit" and not (math.isfinite(value) and value > 0):
+            parser.error(f"{option_string} {value}: give a number of examples per task (>= 1) or a fraction in (0, 1); leave it out for all")
+        if self.dest == "eval_include_path" and not os.path.isdir(value):
+            parser.error(f"{option_string} {value!r} is not a folder of task YAML files")
+        setattr(namespace, self.dest, value)
 
 def _check_eval_tasks(args) -> None:
     "Refuse unknown lm_eval task names (or a missing lm_eval) before any training."

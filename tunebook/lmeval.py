@@ -8,6 +8,7 @@ from __future__ import annotations
 import abc
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -31,7 +32,7 @@ except ImportError as e:  # an optional extra: the module still imports, and say
 else: _LM_EVAL_ERROR = None
 
 # %% auto #0
-__all__ = ['model_folder', 'TunebookLM', 'write_synthetic_tasks', 'run_eval', 'eval_main']
+__all__ = ['model_folder', 'TunebookLM', 'write_synthetic_tasks', 'run_eval', 'eval_parser', 'eval_main']
 
 # %% ../nbs/A1_tools.ipynb #5144f8be
 def model_folder(path, revision=None) -> Path:
@@ -248,8 +249,8 @@ def run_eval(model, tasks, include_path=None, limit=None, batch_size: int = 8, a
                            log_samples=log_samples, batch_size=batch_size, **kwargs)
 
 # %% ../nbs/A1_tools.ipynb #f68a6ed8
-def eval_main(argv=None) -> int:
-    "`tunebook eval MODEL_OR_RUN --tasks a,b`: print lm_eval's table, write the results as JSON; the exit status."
+def eval_parser() -> argparse.ArgumentParser:
+    "The parser of `tunebook eval`."
     p = argparse.ArgumentParser(prog="tunebook eval", description="Score a model or run folder with lm-evaluation-harness.")
     p.add_argument("model", help="a Hugging Face model folder, a run folder (its model/ is used) or a hub name ORG/NAME")
     p.add_argument("--revision", default=None, help="hub branch, tag or commit (with ORG/NAME)")
@@ -262,13 +263,32 @@ def eval_main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: the checkpoint's)")
     p.add_argument("--output", default=None, help="write the results JSON here (default: MODEL/lm_eval.json for a run folder)")
-    a = p.parse_args(argv)
+    return p
+
+def _eval_problems(a) -> list[str]:
+    "What is wrong with eval's flags, each with its fix: checked before the model is loaded."
+    bad = []
+    if a.limit is not None and not (math.isfinite(a.limit) and a.limit > 0):
+        bad.append(f"--limit {a.limit}: give a number of examples per task (>= 1) or a fraction in (0, 1); leave it out for all")
+    if a.batch_size < 1: bad.append(f"--batch-size {a.batch_size}: must be >= 1")
+    if a.num_fewshot is not None and a.num_fewshot < 0: bad.append(f"--num-fewshot {a.num_fewshot}: must be >= 0")
+    if not [t for t in a.tasks.split(",") if t.strip()]: bad.append("--tasks is empty: name lm_eval tasks, e.g. --tasks hellaswag,arc_easy")
+    try: get_device(a.device)
+    except (ValueError, RuntimeError) as e: bad.append(f"--device {a.device}: {e}")
+    try: get_dtype(a.dtype)
+    except ValueError as e: bad.append(f"--dtype {a.dtype}: {e}")
+    return bad
+
+def eval_main(argv=None) -> int:
+    "`tunebook eval MODEL_OR_RUN --tasks a,b`: print lm_eval's table, write the results as JSON; the exit status."
+    a = eval_parser().parse_args(argv)
+    if bad := _eval_problems(a): print(f"tunebook eval: error: {'; '.join(bad)}", file=sys.stderr); return 2
     try:
         limit = None if a.limit is None else (a.limit if a.limit < 1 else int(a.limit))
         lm = TunebookLM(pretrained=a.model, adapter=a.adapter, batch_size=a.batch_size, dtype=a.dtype, device=a.device, revision=a.revision)
         out = run_eval(lm, a.tasks, a.include_path, limit, a.batch_size, num_fewshot=a.num_fewshot)
     except (FileNotFoundError, ValueError, ImportError, HubError) as e:
-        print(f"tunebook eval: {e}", file=sys.stderr)
+        print(f"tunebook eval: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     print(lm_utils.make_table(out))
     dest = a.output or (Path(a.model) / "lm_eval.json" if (Path(a.model) / "model" / "config.json").is_file() else None)

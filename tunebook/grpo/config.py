@@ -65,6 +65,11 @@ class GRPOPart(Part):
         if self.generator_dtype not in (None, "fp32", "bf16", "fp16"):
             bad.append(f"{o('generator_dtype')}: use fp32, bf16 or fp16")
         if self.tis_cap < 1: bad.append(f"{o('tis_cap')} must be >= 1 (a cap below 1 shrinks every on-policy token)")
+        if self.top_k is not None and self.top_k < 1: bad.append(f"{o('top_k')} must be >= 1 (leave it out to keep every token)")
+        if self.beta < 0: bad.append(f"{o('beta')} must be >= 0 (0: no KL to the reference)")
+        for k in ("generator_threads", "learner_threads"):
+            if getattr(self, k) is not None and getattr(self, k) < 1: bad.append(f"{o(k)} must be >= 1")
+        if self.worker_timeout <= 0: bad.append(f"{o('worker_timeout')} must be > 0 seconds")
         return bad + super().problems()
 
 @dataclass

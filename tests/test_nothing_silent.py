@@ -1,0 +1,100 @@
+"""Nothing silent: a user's mistake ends in one line naming the problem and its fix, before any work is lost; never a
+traceback, never a quiet wrong result. One test (or a few) per mistake."""
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tunebook import cli
+from tunebook.checkpoint import save_hf
+from tunebook.config import TrainConfig
+from tunebook.config.commands import CompareConfig, EstimateConfig
+from tunebook.data import make_task
+from tunebook.model import build_model, pico
+from tunebook.objectives import OBJECTIVES
+from tunebook.tokenizer import train_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    texts = [f"{r['prompt']} {r['answer']}" for t in ("reverse", "copy", "add") for r in make_task(t, 150, seed=0)]
+    return train_tokenizer(texts, vocab_size=300)
+
+
+def tiny(folder, tok, dim=32, vocab=None, nan=False, **kw):
+    "A tiny random model with `tok`'s vocabulary (or `vocab`), saved as a Hugging Face folder."
+    torch.manual_seed(0)
+    m = build_model(pico(vocab_size=vocab or tok.vocab_size, dim=dim, hidden_dim=2 * dim, n_heads=4, n_kv_heads=2, **kw))
+    if nan:
+        with torch.no_grad(): m.layers[0].self_attn.q_proj.weight[0, 0] = float("nan")
+    save_hf(m, folder)
+    tok.save(folder)
+    return m
+
+
+def errors(capsys) -> list[str]:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return [l for l in err.splitlines() if "error:" in l]
+
+
+# ---------------------------------------------------------------- 1. Python API: wrong types
+@pytest.mark.parametrize("kw,want", [
+    (dict(max_steps="10"), "option max_steps: expected an int, got str '10': write max_steps=10"),
+    (dict(lr="1e-4"), "option lr: expected a float or None, got str '1e-4': write lr=0.0001"),
+    (dict(batch_size=2.5), "option batch_size: expected an int or None, got float 2.5: give a whole number (batch_size=2 or 3)"),
+    (dict(max_steps=None), "option max_steps: expected an int, got None: give one like the default, max_steps=500"),
+    (dict(lr={"a": 1}), "option lr: expected a float or None, got dict {'a': 1}"),
+    (dict(packing="yes"), "option packing: expected a bool, got str 'yes': write packing=True"),
+    (dict(lora_targets=5), "option lora_targets: expected a tuple of str"),
+    (dict(seed=True), "option seed: expected an int, got bool True"),
+    (dict(model=3), "option model: expected a str, got int 3: write model='3'"),
+])
+def test_wrong_type_is_one_line_naming_the_option(kw, want):
+    with pytest.raises(ValueError, match=re.escape(want)):
+        TrainConfig(**kw).validate()
+
+
+@pytest.mark.parametrize("cls", [*(s.config for s in OBJECTIVES.values()), EstimateConfig, CompareConfig],
+                         ids=lambda c: c.__name__)
+def test_every_field_of_every_config_checks_its_type(cls):
+    "Each config's own fields too (DPO's beta, GRPO's group_size, distill's teacher...): a dict where a value is expected."
+    for f in dataclasses.fields(cls):
+        with pytest.raises(ValueError, match=re.escape(f"option {f.name}: expected ")):
+            cls(**{f.name: {"oops": 1}}).validate()
+
+
+def test_a_path_is_taken_wherever_a_path_string_is(tmp_path):
+    cfg = TrainConfig(data=tmp_path / "d.jsonl", output_dir=tmp_path / "run", tokenizer=tmp_path).validate()
+    assert (cfg.data, cfg.output_dir, cfg.tokenizer) == (str(tmp_path / "d.jsonl"), str(tmp_path / "run"), str(tmp_path))
+    import numpy as np
+    assert TrainConfig(max_steps=np.int64(3)).validate().max_steps == 3
+
+
+def test_wrong_type_stops_the_trainer_before_its_folder(tmp_path):
+    from tunebook.train import Trainer
+    with pytest.raises(ValueError, match="option max_steps"):
+        Trainer(TrainConfig(max_steps="10", output_dir=str(tmp_path / "run")))
+    assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- 3. generate on a model with NaN weights
+def test_generate_refuses_nan_weights(tmp_path, tok, capsys):
+    tiny(tmp_path / "m", tok, nan=True)
+    rc = cli.main(["generate", str(tmp_path / "m"), "--prompt", "reverse abc="])
+    err = errors(capsys)
+    assert rc == 2 and len(err) == 1, err
+    assert str(tmp_path / "m") in err[0] and "NaN" in err[0] and "q_proj" in err[0], err
+
+
+def test_generate_caps_a_huge_max_new_tokens_at_the_context(tmp_path, tok, capsys):
+    tiny(tmp_path / "m", tok, max_seq_len=64)
+    rc = cli.main(["generate", str(tmp_path / "m"), "--prompt", "reverse abc=", "--max-new-tokens", "1000000"])
+    err = capsys.readouterr().err
+    assert rc == 0 and "capped at" in err and "context is 64" in err, err
