@@ -98,3 +98,24 @@ def test_generate_caps_a_huge_max_new_tokens_at_the_context(tmp_path, tok, capsy
     rc = cli.main(["generate", str(tmp_path / "m"), "--prompt", "reverse abc=", "--max-new-tokens", "1000000"])
     err = capsys.readouterr().err
     assert rc == 0 and "capped at" in err and "context is 64" in err, err
+
+
+# ---------------------------------------------------------------- 4. a saved DatasetDict without a train split
+def test_datasetdict_without_train_names_its_splits_and_the_flag(tmp_path, capsys):
+    import datasets
+    rows = [dict(prompt=f"reverse {w}=", response=w[::-1]) for w in ("abc", "hello", "xyz", "tune", "book") * 8]
+    datasets.DatasetDict(validation=datasets.Dataset.from_list(rows), test=datasets.Dataset.from_list(rows[:10])).save_to_disk(tmp_path / "dd")
+    common = ["--max-steps", "1", "--eval-samples", "0", "--quiet", "--batch-size", "4"]
+    rc = cli.main(["finetune", "--data", str(tmp_path / "dd"), "--output-dir", str(tmp_path / "run"), *common])
+    err = errors(capsys)
+    assert rc == 2 and len(err) == 1, err
+    assert "no split 'train'" in err[0] and "'validation', 'test'" in err[0] and "--data-split" in err[0], err
+    assert cli.main(["finetune", "--data", str(tmp_path / "dd"), "--data-split", "test", "--output-dir", str(tmp_path / "run2"), *common]) == 0
+    assert json.loads((tmp_path / "run2" / "config.json").read_text())["data_split"] == "test"
+    datasets.DatasetDict(dev=datasets.Dataset.from_list(rows)).save_to_disk(tmp_path / "one")   # the only split: read without asking
+    assert cli.main(["finetune", "--data", str(tmp_path / "one"), "--output-dir", str(tmp_path / "run3"), *common]) == 0
+    capsys.readouterr()
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))   # a file has one split: a name for another is refused
+    rc = cli.main(["finetune", "--data", str(tmp_path / "d.jsonl"), "--data-split", "test", "--output-dir", str(tmp_path / "run4"), *common])
+    err = errors(capsys)
+    assert rc == 2 and len(err) == 1 and "one split, 'train'" in err[0], err

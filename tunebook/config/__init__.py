@@ -164,6 +164,7 @@ class ModelPart(Part):
 class SourcePart(Part):
     "The data source: a file or a synthetic task, prompts, the held-out share, sequence length."
     data: str | None = None              # a local .json/.jsonl/.csv/.parquet/.arrow file or a datasets save_to_disk folder; None: a synthetic task
+    data_split: str | None = None        # a saved DatasetDict's split to read (None: train, or its only split); a file: train or a slice (train[:100])
     task: str | None = None              # synthetic task (default: the embedded model's fine-tune task)
     prompt_field: str = "prompt"         # instruct format: the column holding the prompt
     system_prompt: str | None = None     # a system turn put before every prompt
