@@ -119,3 +119,19 @@ def test_datasetdict_without_train_names_its_splits_and_the_flag(tmp_path, capsy
     rc = cli.main(["finetune", "--data", str(tmp_path / "d.jsonl"), "--data-split", "test", "--output-dir", str(tmp_path / "run4"), *common])
     err = errors(capsys)
     assert rc == 2 and len(err) == 1 and "one split, 'train'" in err[0], err
+
+
+# ---------------------------------------------------------------- 5. distill: teacher and student of other vocabularies
+@pytest.mark.parametrize("other", ["smaller", "same-size"])
+def test_distill_refuses_a_teacher_of_another_vocabulary(tmp_path, tok, other, capsys):
+    tiny(tmp_path / "teacher", tok)
+    texts = [f"{r['prompt']} {r['answer']}" for r in make_task("add" if other == "same-size" else "reverse", 150, seed=1)]
+    other_tok = train_tokenizer(texts, vocab_size=tok.vocab_size if other == "same-size" else 200)
+    tiny(tmp_path / "student", other_tok, dim=16)
+    assert (len(other_tok) == len(tok)) == (other == "same-size")
+    rc = cli.main(["distill", "--teacher", str(tmp_path / "teacher"), "--model", str(tmp_path / "student"), "--task", "reverse",
+                   "--n-train", "16", "--max-steps", "1", "--eval-samples", "0", "--batch-size", "4", "--quiet",
+                   "--output-dir", str(tmp_path / "run")])
+    err = errors(capsys)
+    assert rc == 2 and len(err) == 1, err
+    assert "do not share a vocabulary" in err[0] and "--teacher" in err[0], err
