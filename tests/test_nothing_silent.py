@@ -135,3 +135,32 @@ def test_distill_refuses_a_teacher_of_another_vocabulary(tmp_path, tok, other, c
     err = errors(capsys)
     assert rc == 2 and len(err) == 1, err
     assert "do not share a vocabulary" in err[0] and "--teacher" in err[0], err
+
+
+# ---------------------------------------------------------------- 6. lm_eval offline, a task's data not cached
+def _offline(tmp_path):
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "empty-hf-home"),
+           "OMP_NUM_THREADS": "1"}
+    env.pop("HF_DATASETS_CACHE", None)
+    return env
+
+
+def test_eval_offline_names_the_missing_task_data_and_how_to_get_it(tmp_path):
+    from tunebook.core import EMBEDDED_DIR
+    r = subprocess.run([sys.executable, "-m", "tunebook.cli", "eval", str(EMBEDDED_DIR), "--tasks", "hellaswag", "--limit", "2"],
+                       capture_output=True, text=True, env=_offline(tmp_path), timeout=300)
+    err = [l for l in r.stderr.splitlines() if "error:" in l]
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(err) == 1, r.stderr[-3000:]
+    for want in ("hellaswag", "Rowan/hellaswag", "HF_DATASETS_OFFLINE", "network access", "HF_HOME"):
+        assert want in err[0], err[0]
+
+
+def test_finetune_eval_tasks_offline_says_the_model_is_saved(tmp_path):
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "tunebook.cli", "finetune", "--max-steps", "1", "--n-train", "32", "--eval-samples", "0",
+                        "--batch-size", "4", "--quiet", "--output-dir", str(out), "--eval-tasks", "hellaswag", "--eval-limit", "2"],
+                       capture_output=True, text=True, env=_offline(tmp_path), timeout=300)
+    err = [l for l in r.stderr.splitlines() if "error:" in l]
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(err) == 1, r.stderr[-3000:]
+    assert "Rowan/hellaswag" in err[0] and f"the model is saved in {out}/model" in err[0] and "tunebook eval" in err[0], err[0]
+    assert (out / "model" / "config.json").is_file()

@@ -129,8 +129,12 @@ def _lm_eval_run(cfg, args) -> dict:
         from tunebook.core import EMBEDDED_DIR
         base = EMBEDDED_DIR
     added = dict(lm_eval_tasks=args.eval_tasks)
-    if Path(str(base)).is_dir(): added["lm_eval_before"] = scores(base)   # a builder name has random weights: nothing to score before
-    added["lm_eval_after"] = scores(cfg.output_dir)
+    try:
+        if Path(str(base)).is_dir(): added["lm_eval_before"] = scores(base)   # a builder name has random weights: nothing to score before
+        added["lm_eval_after"] = scores(cfg.output_dir)
+    except (OSError, ValueError, ImportError) as e:   # training is done and saved: say so, and how to score it later
+        raise OSError(f"{one_line(e)}. Training finished: the model is saved in {cfg.output_dir}/model; score it later with "
+                      f"`tunebook eval {cfg.output_dir} --tasks {args.eval_tasks}`") from None
     added["lm_eval_samples"] = counts
     path = Path(cfg.output_dir) / "summary.json"
     summary = {**json.loads(path.read_text()), **added}

@@ -245,8 +245,31 @@ def run_eval(model, tasks, include_path=None, limit=None, batch_size: int = 8, a
     tm = TaskManager(include_path=str(include_path) if include_path else None)
     unknown = [t for t in tasks if t not in tm.all_tasks]
     if unknown: raise ValueError(f"unknown lm_eval task(s) {unknown}; check the name, or pass include_path= the folder of its YAML.")
-    return simple_evaluate(model=lm, tasks=tasks, task_manager=tm, limit=limit, num_fewshot=num_fewshot,
-                           log_samples=log_samples, batch_size=batch_size, **kwargs)
+    try:
+        return simple_evaluate(model=lm, tasks=tasks, task_manager=tm, limit=limit, num_fewshot=num_fewshot,
+                               log_samples=log_samples, batch_size=batch_size, **kwargs)
+    except OSError as e:
+        if not _unreachable(e): raise
+        raise ConnectionError(_missing_data(e, tasks, tm)) from None
+
+def _unreachable(e: BaseException) -> bool:
+    "Whether `e` is a download that could not happen: offline mode, or no network (builtin, requests' or httpx's connection errors)."
+    return isinstance(e, ConnectionError) or type(e).__module__.split(".")[0] in ("requests", "httpx", "urllib3")
+
+def _missing_data(e: BaseException, tasks: list[str], tm) -> str:
+    "One line: which task's dataset is neither cached nor downloadable, why, and how to get it."
+    import datasets, os, re
+    entry = lambda t: (getattr(tm._entry(t), "cfg", None) if hasattr(tm, "_entry") else None) or {}   # the task's YAML options
+    which = [t for t in tasks if entry(t).get("dataset_path") and entry(t)["dataset_path"] in str(e)]
+    m = re.search(r"reach '([^']+)'", str(e))   # datasets: "Couldn't reach 'ORG/NAME' on the Hub"
+    data = entry(which[0])["dataset_path"] if which else m.group(1) if m else None
+    which = which or tasks
+    offline = [v for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE") if os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")]
+    why = f"{' and '.join(offline)} {'is' if len(offline) == 1 else 'are'} set, so nothing is downloaded" if offline else \
+          f"the Hugging Face hub could not be reached ({type(e).__name__})"
+    return (f"lm_eval task {', '.join(which)} needs the dataset {data or '(named in the task YAML)'}, which is not in the datasets cache "
+            f"{datasets.config.HF_DATASETS_CACHE}, and {why}: run the command once with network access"
+            f"{' (without ' + ' and '.join(offline) + ')' if offline else ''} to cache it, or set HF_HOME (or HF_DATASETS_CACHE) to a cache that holds it")
 
 # %% ../nbs/A1_tools.ipynb #f68a6ed8
 def eval_parser() -> argparse.ArgumentParser:
@@ -287,7 +310,7 @@ def eval_main(argv=None) -> int:
         limit = None if a.limit is None else (a.limit if a.limit < 1 else int(a.limit))
         lm = TunebookLM(pretrained=a.model, adapter=a.adapter, batch_size=a.batch_size, dtype=a.dtype, device=a.device, revision=a.revision)
         out = run_eval(lm, a.tasks, a.include_path, limit, a.batch_size, num_fewshot=a.num_fewshot)
-    except (FileNotFoundError, ValueError, ImportError, HubError) as e:
+    except (OSError, ValueError, ImportError, HubError) as e:   # OSError: a missing file, or a task's data neither cached nor downloadable
         print(f"tunebook eval: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     print(lm_utils.make_table(out))
