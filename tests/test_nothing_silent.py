@@ -164,3 +164,53 @@ def test_finetune_eval_tasks_offline_says_the_model_is_saved(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(err) == 1, r.stderr[-3000:]
     assert "Rowan/hellaswag" in err[0] and f"the model is saved in {out}/model" in err[0] and "tunebook eval" in err[0], err[0]
     assert (out / "model" / "config.json").is_file()
+
+
+# ---------------------------------------------------------------- 7. grpo: the answer column and --reward files
+GRPO_FAST = ["--max-steps", "1", "--eval-samples", "2", "--group-size", "2", "--prompts-per-step", "2", "--max-new-tokens", "4", "--quiet"]
+
+
+def _sums(path, field="answer"):
+    path.write_text("\n".join(json.dumps({"prompt": f"{a}+{b}=", field: str(a + b)}) for a in range(5) for b in range(5)))
+    return str(path)
+
+
+def test_grpo_task_checker_reads_the_answer_field(tmp_path, capsys):
+    "--task add scores a file's rows by its checker: on the column --answer-field names (it read 'answer' and stopped: KeyError)."
+    data = _sums(tmp_path / "g.jsonl", "response")
+    assert cli.main(["grpo", "--data", data, "--task", "add", "--answer-field", "response", "--output-dir", str(tmp_path / "run"), *GRPO_FAST]) == 0, \
+        capsys.readouterr().err[-2000:]
+
+
+def test_grpo_missing_answer_field_names_the_field_the_file_and_its_columns(tmp_path, capsys):
+    data = _sums(tmp_path / "g.jsonl")
+    rc = cli.main(["grpo", "--data", data, "--answer-field", "response", "--output-dir", str(tmp_path / "run"), *GRPO_FAST])
+    err = errors(capsys)
+    assert rc == 2 and len(err) == 1, err
+    assert "'response'" in err[0] and data in err[0] and "'answer', 'prompt'" in err[0] and "--answer-field" in err[0], err
+
+
+def test_grpo_reward_file_path_with_its_own_imports(tmp_path, capsys, monkeypatch):
+    (tmp_path / "rw").mkdir()
+    (tmp_path / "rw" / "sn_helper.py").write_text("def same(c, r):\n    return float(c.strip() == r['answer'])\n")
+    (tmp_path / "rw" / "sn_reward.py").write_text("from sn_helper import same\ndef score(completion, row):\n    return same(completion, row)\n")
+    (tmp_path / "rw" / "sn_broken.py").write_text("import sn_no_such_package\ndef score(c, r):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)   # not the file's folder: the path alone must do
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    out = ["--output-dir", str(tmp_path / "run"), *GRPO_FAST]
+    assert cli.main(["grpo", "--reward", "rw/sn_reward.py:score", *out]) == 0, capsys.readouterr().err[-2000:]
+    capsys.readouterr()
+    for spec, want in (("rw/sn_nofile.py:score", "no such file"), ("rw/sn_broken.py:score", "No module named 'sn_no_such_package'"),
+                       ("sn_absent_module:score", "give its file's path (--reward path/to/sn_absent_module.py:score)")):
+        rc = cli.main(["grpo", "--reward", spec, "--output-dir", str(tmp_path / "bad"), *GRPO_FAST])
+        err = errors(capsys)
+        assert rc == 2 and len(err) == 1 and want in err[0], (spec, err)
+        assert "run from its folder" not in err[0]
+
+
+def test_reward_keyerror_lists_the_row_fields():
+    from tunebook.grpo.rollout import call_reward
+    from tunebook.rundir import UserCodeError
+    def reads_answer(completion, row): return float(row["answer"] == completion)
+    with pytest.raises(UserCodeError, match=r"no 'answer' field; its fields are 'prompt', 'response'"):
+        call_reward(reads_answer, "5", {"prompt": "2+3=", "response": "5", "messages": []})

@@ -28,7 +28,7 @@ class GRPOPart(Part):
     answer_field: str = "answer"       # data file: the column the reward checks (exact match after stripping, or --reward)
     temperature: float = 0.7           # sampling: 1.0 scatters the embedded model's answers (train reward ~0.2 on add)
     top_k: int | None = None           # sampling: keep only the k likeliest tokens
-    reward: str | None = None          # "module:function" (completion, row) -> float; None: the task's checker (data: exact match)
+    reward: str | None = None          # "module:function" or "path/to/file.py:function", called as fn(completion, row) -> float; None: the task's checker (data: exact match)
     loss_type: str = "grpo"            # grpo (sequence mean, then mean), dr_grpo (token sum / max_new_tokens, no std scaling), dapo (token mean, clip-higher), gspo (sequence-level ratio)
     beta: float = 0.04                 # KL to the reference
     clip_eps: float = 0.2              # ratio clip range: [1 - clip_eps, 1 + clip_eps_high]

@@ -94,7 +94,7 @@ class GRPO(Objective):
         if task is None and c.data is None: task = GRPO_TASK   # no file: the synthetic task's prompts and checker
         if self.reward_fn is None:   # a function given in Python, else --reward, else the file's answers, else the task's checker
             self.reward_fn = (load_reward(c.reward, task) if c.reward is not None       # a bad --reward is refused early
-                              else AnswerReward(c.answer_field) if c.data is not None and task is None else TaskReward(task))
+                              else AnswerReward(c.answer_field) if c.data is not None and task is None else TaskReward(task, c.answer_field))
         if self.prompts is None or self.eval_prompts is None:
             train, evals = prompt_rows(c, tr.tokenizer, task)
             self.prompts = self.prompts if self.prompts is not None else train
