@@ -214,3 +214,21 @@ def test_reward_keyerror_lists_the_row_fields():
     def reads_answer(completion, row): return float(row["answer"] == completion)
     with pytest.raises(UserCodeError, match=r"no 'answer' field; its fields are 'prompt', 'response'"):
         call_reward(reads_answer, "5", {"prompt": "2+3=", "response": "5", "messages": []})
+
+
+# ---------------------------------------------------------------- 8. every row longer than the model's context
+@pytest.mark.parametrize("cmd", ["finetune", "dpo", "kto"])
+def test_rows_past_the_context_are_advised_truly(tmp_path, tok, cmd, capsys):
+    "The advice was 'set max_seq_len=<longest>', which is refused above the model's context: now it says to shorten the rows."
+    tiny(tmp_path / "m", tok, max_seq_len=64)
+    long = lambda i: "reverse " + "abc " * (60 + i)   # ~120+ tokens each: past the 64-token context
+    rows = {"finetune": [dict(prompt=long(i), response="cba") for i in range(12)],
+            "dpo": [dict(prompt=long(i), chosen="cba", rejected="abc") for i in range(12)],
+            "kto": [dict(prompt=long(i), completion="cba", label=bool(i % 2)) for i in range(12)]}[cmd]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    rc = cli.main([cmd, "--model", str(tmp_path / "m"), "--data", str(tmp_path / "d.jsonl"), "--max-steps", "1", "--eval-samples", "0",
+                   "--batch-size", "2", "--quiet", "--output-dir", str(tmp_path / "run")])
+    err = errors(capsys)
+    assert rc == 2 and len(err) == 1, err
+    assert "context of 64 tokens" in err[0] and "shorten or remove those rows" in err[0], err
+    assert "--max-seq-len" not in err[0].split("longer than")[-1], err   # no advice to set a value that would be refused

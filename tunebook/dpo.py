@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset as TorchDataset
 
 from .config import AdapterPart, MemoryPart, ModelPart, OptimPart, Part, RunPart, SourcePart
-from .data import collate_fn, encode_conversation, fit_max_seq_len, get_task, load_records, make_preference_pairs, shift_labels
+from .data import collate_fn, encode_conversation, fit_max_seq_len, get_task, keep_advice, load_records, make_preference_pairs, shift_labels
 from .logprobs import Reference, label_counts, sequence_logprobs   # shared with GRPO and KTO
 from .preference import ipo_loss, orpo_loss, simpo_loss
 from .records import preference_example, with_system
@@ -61,8 +61,8 @@ class PreferenceDataset(TorchDataset):
         lengths = [max(len(p["chosen"]["tokens"]), len(p["rejected"]["tokens"])) for p in pairs]
         self.max_seq_len, self.length_report = fit_max_seq_len(lengths, context, max_seq_len)
         keep = [i for i, n in enumerate(lengths) if n <= self.max_seq_len]
-        if not keep: raise ValueError(f"every pair of {rows.name} is longer than max_seq_len={self.max_seq_len} (the longest has "
-                                      f"{max(lengths)} tokens): raise --max-seq-len, or leave it unset to fit the data.")
+        if not keep: raise ValueError(f"every pair of {rows.name} ({len(pairs):,}) is longer than max_seq_len={self.max_seq_len}: "
+                                      f"{keep_advice(lengths, context)}.")
         if len(keep) < len(pairs): warnings.warn(f"{rows.name}: {self.length_report}")
         self.examples, self.pairs = [examples[i] for i in keep], [pairs[i] for i in keep]
     def __len__(self): return len(self.pairs)
