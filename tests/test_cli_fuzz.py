@@ -94,6 +94,9 @@ HAND = [
     ("generate", ["--top-k", "0"]), ("generate", ["--top-p", "0"]), ("generate", ["--top-p", "1.5"]),
     ("chat", ["--system-prompt", " "]), ("eval", ["--limit", "0"]), ("eval", ["--tasks", ","]),
     ("estimate", ["--dtype", "fp16"]), ("estimate", ["--method", "prefix"]), ("compare", ["--combos", "nope"]),
+    ("eval", ["--output", "/nonexistent/dir/results.json"]),                      # found before the scoring, not after
+    ("compare", ["--combos", "baseline", "--json", "/nonexistent/dir/x.json"]),   # found before every combination ran
+    ("grpo", ["--reward", "/nonexistent/reward.py:fn"]), ("finetune", ["--data", "/nonexistent/d.jsonl"]),
 ]
 
 

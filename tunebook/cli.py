@@ -181,6 +181,8 @@ def _compare(args) -> int:
     from tunebook.config.commands import CompareConfig
     from tunebook.live import COMBOS, compare_techniques   # not widgets: no ipywidgets import
     cfg = config_from_args(args, CompareConfig)
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):   # found now, not after every combination ran
+        raise FileNotFoundError(f"--json {args.json}: its folder does not exist; create it first or write elsewhere")
     names = [c.strip() for c in cfg.combos.split(",")] if cfg.combos else list(COMBOS)
     unknown = [n for n in names if n not in COMBOS]
     if unknown: raise ValueError(f"unknown combination(s) {unknown}; known: {', '.join(COMBOS)}")

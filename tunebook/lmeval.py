@@ -300,6 +300,8 @@ def _eval_problems(a) -> list[str]:
     except (ValueError, RuntimeError) as e: bad.append(f"--device {a.device}: {e}")
     try: get_dtype(a.dtype)
     except ValueError as e: bad.append(f"--dtype {a.dtype}: {e}")
+    if a.output is not None and not Path(a.output).expanduser().resolve().parent.is_dir():   # found now, not after the scoring
+        bad.append(f"--output {a.output}: its folder does not exist; create it first or write elsewhere")
     return bad
 
 def eval_main(argv=None) -> int:

@@ -176,6 +176,8 @@ class SourcePart(Part):
         bad, o = [], self.opt
         if self.max_seq_len is not None and self.max_seq_len < 1: bad.append(f"{o('max_seq_len')} must be >= 1")
         if not 0 <= self.eval_fraction < 1: bad.append(f"{o('eval_fraction')} must be in [0, 1)")
+        if isinstance(self.data, str) and not os.path.exists(os.path.expanduser(self.data)):   # found before any folder or model
+            bad.append(f"{o('data')}: no such file or folder")
         return bad + super().problems()
 
 @dataclass

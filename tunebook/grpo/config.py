@@ -5,6 +5,7 @@
 # %% ../../nbs/15_grpo.ipynb #da09158f
 from __future__ import annotations
 
+import os
 import typing
 from dataclasses import dataclass
 
@@ -55,6 +56,8 @@ class GRPOPart(Part):
         if self.max_staleness < 0 or self.queue_size < 1 or self.sync_every < 1 or self.num_generators < 1:
             bad.append("max_staleness >= 0, queue_size >= 1, sync_every >= 1 and num_generators >= 1 are required")
         if self.reward is not None and ":" not in self.reward: bad.append(f"reward={self.reward!r}: use 'module:function'")
+        elif self.reward is not None and (file := self.reward.rpartition(":")[0]).endswith(".py") and not os.path.isfile(os.path.expanduser(file)):
+            bad.append(f"{o('reward')}: no such file {file!r}")
         if self.loss_type not in LOSS_TYPES: bad.append(f"{o('loss_type')}: use one of {', '.join(LOSS_TYPES)}")
         if self.offpolicy not in OFFPOLICY: bad.append(f"{o('offpolicy')}: use one of {', '.join(OFFPOLICY)}")
         if self.generator not in GENERATORS: bad.append(f"{o('generator')}: use torch or vllm")
