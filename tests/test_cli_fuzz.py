@@ -97,6 +97,7 @@ HAND = [
     ("eval", ["--output", "/nonexistent/dir/results.json"]),                      # found before the scoring, not after
     ("compare", ["--combos", "baseline", "--json", "/nonexistent/dir/x.json"]),   # found before every combination ran
     ("grpo", ["--reward", "/nonexistent/reward.py:fn"]), ("finetune", ["--data", "/nonexistent/d.jsonl"]),
+    ("config", ["show", "no-such-recipe"]), ("config", ["cp", "embedded-lora", "/nonexistent/dir/x.yaml"]), ("config", ["frobnicate"]),
 ]
 
 

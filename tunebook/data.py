@@ -202,13 +202,14 @@ class SFTDataset(TorchDataset):
         self.lengths = [len(ids) for ids, _ in encoded]
         st.longest = max(self.lengths)
         self.max_seq_len, self.length_report = fit_max_seq_len(self.lengths, context, max_seq_len, windows=fmt == "text")
-        limit = spell("max_seq_len", self.max_seq_len) if max_seq_len is not None or not context or st.longest <= context else \
-            f"the model's context of {context} tokens"   # where the length came from: the user's setting, or the model
+        past = bool(context) and st.longest > context   # rows no max_seq_len can keep: the advice is to shorten them
+        limit = f"the model's context of {context} tokens" if past and max_seq_len is None else spell("max_seq_len", self.max_seq_len)
         max_seq_len, over = self.max_seq_len, sum(n > self.max_seq_len for n in self.lengths)
         if over and too_long == "error" and fmt != "text":
             raise ValueError(f"{over} of {st.examples} examples of {rows.name} are longer than {limit} (the longest "
-                             f"has {st.longest} tokens); cutting them would lose their end-of-turn token: "
-                             f"{keep_advice(self.lengths, context)}, or pass too_long='drop'.")
+                             f"has {st.longest} tokens); cutting them would lose their end-of-turn token. " +
+                             (f"{keep_advice(self.lengths, context)}; or pass too_long='drop'." if past else
+                              f"Set {spell('max_seq_len', st.longest)}, leave it unset to fit the data, or pass too_long='drop'."))
         self.examples = []
         for ids, mask in encoded:
             if fmt == "text": pieces = [(ids[s:s + max_seq_len], mask[s:s + max_seq_len]) for s in range(0, len(ids), max_seq_len)]
@@ -223,8 +224,9 @@ class SFTDataset(TorchDataset):
         self.stats = st
         if not self.examples:
             if st.too_long:
-                raise ValueError(f"every example of {rows.name} ({st.examples:,}) is longer than {limit}, so none is left to train on: "
-                                 f"{keep_advice(self.lengths, context)}.")
+                raise ValueError(f"every example of {rows.name} ({st.examples:,}) is longer than {limit} (the longest has {st.longest} tokens), "
+                                 "so none is left to train on: " + (f"{keep_advice(self.lengths, context)}." if past else
+                                 f"set {spell('max_seq_len', st.longest)}, or leave it unset to fit the data."))
             raise ValueError(f"none of the {st.examples} examples has a token to learn: (chat) no message has the role 'assistant'.")
         if st.too_long: warnings.warn(f"{rows.name}: {self.length_report}.")
         if st.dropped: warnings.warn(f"{st.dropped} of {st.examples} examples of {rows.name} have no assistant turn to learn and were dropped.")

@@ -61,8 +61,9 @@ class PreferenceDataset(TorchDataset):
         lengths = [max(len(p["chosen"]["tokens"]), len(p["rejected"]["tokens"])) for p in pairs]
         self.max_seq_len, self.length_report = fit_max_seq_len(lengths, context, max_seq_len)
         keep = [i for i, n in enumerate(lengths) if n <= self.max_seq_len]
-        if not keep: raise ValueError(f"every pair of {rows.name} ({len(pairs):,}) is longer than max_seq_len={self.max_seq_len}: "
-                                      f"{keep_advice(lengths, context)}.")
+        if not keep: raise ValueError(f"every pair of {rows.name} ({len(pairs):,}) is longer than max_seq_len={self.max_seq_len} (the longest has "
+                                      f"{max(lengths)} tokens): " + (f"{keep_advice(lengths, context)}." if context and max(lengths) > context
+                                                                     else "raise --max-seq-len, or leave it unset to fit the data."))
         if len(keep) < len(pairs): warnings.warn(f"{rows.name}: {self.length_report}")
         self.examples, self.pairs = [examples[i] for i in keep], [pairs[i] for i in keep]
     def __len__(self): return len(self.pairs)

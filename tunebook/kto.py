@@ -43,8 +43,9 @@ class KTODataset(torch.utils.data.Dataset):
         lengths = [len(it["tokens"]) for it in items]
         self.max_seq_len, self.length_report = fit_max_seq_len(lengths, context, max_seq_len)
         keep = [i for i, n in enumerate(lengths) if n <= self.max_seq_len]
-        if not keep: raise ValueError(f"every KTO row ({len(items):,}) is longer than max_seq_len={self.max_seq_len}: "
-                                      f"{keep_advice(lengths, context)}.")
+        if not keep: raise ValueError(f"every KTO row ({len(items):,}) is longer than max_seq_len={self.max_seq_len} (the longest has "
+                                      f"{max(lengths)} tokens): " + (f"{keep_advice(lengths, context)}." if context and max(lengths) > context
+                                                                     else "raise --max-seq-len, or leave it unset to fit the data."))
         if len(keep) < len(items): warnings.warn(f"KTO data: {self.length_report}")
         self.examples = [examples[i] for i in keep]
         self.items = [dict(items[i], desirable=examples[i][2], index=k) for k, i in enumerate(keep)]
