@@ -71,10 +71,17 @@ def test_every_field_of_every_config_checks_its_type(cls):
 
 
 def test_a_path_is_taken_wherever_a_path_string_is(tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"prompt": "a", "response": "b"}\n')
     cfg = TrainConfig(data=tmp_path / "d.jsonl", output_dir=tmp_path / "run", tokenizer=tmp_path).validate()
     assert (cfg.data, cfg.output_dir, cfg.tokenizer) == (str(tmp_path / "d.jsonl"), str(tmp_path / "run"), str(tmp_path))
     import numpy as np
     assert TrainConfig(max_steps=np.int64(3)).validate().max_steps == 3
+
+
+def test_a_missing_data_file_is_refused_by_validation(tmp_path):
+    "Before any run folder, lock or model: the config names the file that is not there."
+    with pytest.raises(ValueError, match=re.escape(f"data='{tmp_path}/nope.jsonl' (--data): no such file or folder")):
+        TrainConfig(data=str(tmp_path / "nope.jsonl")).validate()
 
 
 def test_wrong_type_stops_the_trainer_before_its_folder(tmp_path):
