@@ -239,3 +239,14 @@ def test_rows_past_the_context_are_advised_truly(tmp_path, tok, cmd, capsys):
     assert rc == 2 and len(err) == 1, err
     assert "context of 64 tokens" in err[0] and "shorten or remove those rows" in err[0], err
     assert "--max-seq-len" not in err[0].split("longer than")[-1], err   # no advice to set a value that would be refused
+
+
+def test_grpo_prompts_past_the_context_are_refused_not_trained_on(tmp_path, tok, capsys):
+    "With --max-seq-len unset, GRPO sampled past the model's context without a word (and trained on it): the context bounds the prompts."
+    tiny(tmp_path / "m", tok, max_seq_len=64)
+    (tmp_path / "g.jsonl").write_text("\n".join(json.dumps(dict(prompt="reverse " + "abc " * (60 + i), answer="cba")) for i in range(12)))
+    rc = cli.main(["grpo", "--model", str(tmp_path / "m"), "--data", str(tmp_path / "g.jsonl"), "--output-dir", str(tmp_path / "run"),
+                   *GRPO_FAST])
+    err = errors(capsys)
+    assert rc == 2 and len(err) == 1, err
+    assert "the model's context of 64 tokens" in err[0] and "shorten the prompts" in err[0], err
