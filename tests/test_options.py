@@ -87,6 +87,10 @@ def env(tmp_path_factory):
     (root / "pq.jsonl").write_text("\n".join(json.dumps(dict(question=p["prompt"], chosen=p["chosen"], rejected=p["rejected"])) for p in pairs))
     (root / "ga.jsonl").write_text("\n".join(json.dumps(dict(prompt=r["prompt"], target=r["response"])) for r in rows))
     (root / "gd.jsonl").write_text("\n".join(json.dumps(dict(prompt=r["prompt"], answer=r["response"])) for r in rows))
+    import datasets   # --data-split: a saved DatasetDict per kind of row, its "few" split shorter than "train"
+    for cmd, f in (("finetune", "d"), ("distill", "d"), ("dpo", "p"), ("kto", "k"), ("grpo", "gd")):
+        rs = [json.loads(l) for l in (root / f"{f}.jsonl").read_text().splitlines()]
+        datasets.DatasetDict(train=datasets.Dataset.from_list(rs), few=datasets.Dataset.from_list(rs[:16])).save_to_disk(root / f"dd-{cmd}")
     (root / "opts.yaml").write_text("seed: 7\nmax_steps: 99\n")
     from tunebook.lmeval import write_synthetic_tasks   # local lm_eval tasks for finetune --eval-tasks
     LM_TASKS[:] = write_synthetic_tasks(root / "lm_tasks", tok, task="reverse", n=8, max_gen_toks=4)
@@ -188,6 +192,7 @@ SHARED = {
     "data": lambda env: (str(env / "d.jsonl"), lambda t, d: _evals(t)[0]["messages"][-1]["content"].startswith("reverse ")
                          and len(_rows(t)) != len(_rows(d))),
     "task": lambda env: ("copy", lambda t, d: _evals(t)[0]["messages"][-1]["content"].startswith("copy")),
+    "data_split": lambda env: ("few", lambda t, d: len(_rows(t)) < len(_rows(d))),   # the folder's "few" split, not its "train"
     "n_train": lambda env: ("16", lambda t, d: len(_rows(t)) == 16 != len(_rows(d))),
     "system_prompt": lambda env: ("Be terse.", lambda t, d: _evals(t)[0]["messages"][0] == {"role": "system", "content": "Be terse."}),
     # a tracker beside metrics.csv: TensorBoard event files in the run folder, for every trainer (same callback hooks)
@@ -373,6 +378,7 @@ def _split_argv(cmd, dest, value, env):
     if dest == "optimizer_in_backward": ctx += ["--max-grad-norm", "0"]
     if dest == "min_lr_ratio": ctx += ["--schedule", "cosine"]
     if cmd == "grpo" and dest in ASYNC | {"save_every"}: ctx += ["--max-steps", "3" if dest == "sync_every" else "2"] + (["--async"] if dest in ASYNC - {"async_mode"} else [])
+    if dest == "data_split": ctx = ["--data", str(env / f"dd-{cmd}")] + ["--eval-fraction", "0.25"] * (cmd == "kto")   # held-out KTO rows of both kinds
     return flag, ctx
 
 

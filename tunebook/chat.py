@@ -21,7 +21,7 @@ from .tokenizer import load_tokenizer
 from .train import stop_ids
 
 # %% auto #0
-__all__ = ['load_for_chat', 'stream_tokens', 'stream_text', 'generate_main', 'chat_main']
+__all__ = ['load_for_chat', 'stream_tokens', 'stream_text', 'generate_parser', 'chat_parser', 'generate_main', 'chat_main']
 
 # %% ../nbs/A1_tools.ipynb #d4595b93
 def _is_model_folder(p: Path) -> bool:
@@ -31,7 +31,14 @@ def _is_model_folder(p: Path) -> bool:
     return "model_type" in cfg or "architectures" in cfg
 
 def load_for_chat(path, dtype: str | None = None, device: str = "cpu"):
-    "(model, tokenizer, a line saying what was loaded) from a model folder or a run folder (model/, else base + adapter/)."
+    "(model, tokenizer, a line saying what was loaded) from a model folder or a run folder (model/, else base + adapter/); non-finite weights are refused."
+    model, tok, what = _load_for_chat(path, dtype, device)
+    if bad := [n for n, w in model.named_parameters() if w.is_floating_point() and not bool(torch.isfinite(w).all())]:
+        raise ValueError(f"{what}: {len(bad)} weight tensor(s) hold NaN or infinite values ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}): "
+                         "this checkpoint cannot generate (its training diverged); use an earlier checkpoint, or train again with a lower --lr")
+    return model, tok, what
+
+def _load_for_chat(path, dtype: str | None = None, device: str = "cpu"):
     p = Path(path).expanduser()
     if not p.exists(): raise FileNotFoundError(f"{str(p)!r} does not exist: give a model folder or a `tunebook finetune` run folder.")
     dt = get_dtype(dtype) if dtype else torch.float32
@@ -109,8 +116,13 @@ def _problems(args) -> list[str]:
     if not math.isfinite(args.temperature) or args.temperature < 0: bad.append(f"--temperature {args.temperature}: must be >= 0 (0 = greedy)")
     if args.top_k is not None and args.top_k < 1: bad.append(f"--top-k {args.top_k}: must be >= 1 (leave it out to keep every token)")
     if args.top_p is not None and not 0 < args.top_p <= 1: bad.append(f"--top-p {args.top_p}: must be in (0, 1] (leave it out to keep every token)")
+    if args.seed < 0: bad.append(f"--seed {args.seed}: must be >= 0")
     try: get_device(args.device)
     except (ValueError, RuntimeError) as e: bad.append(f"--device {args.device}: {e}")
+    try: get_dtype(args.dtype)
+    except ValueError as e: bad.append(f"--dtype {args.dtype}: {e}")
+    if getattr(args, "prompt", None) == "" or (args.system_prompt is not None and not args.system_prompt.strip()):
+        bad.append(("--prompt" if getattr(args, "prompt", None) == "" else "--system-prompt") + " is empty: give the text, or leave the flag out")
     return bad
 
 def _room(model, prompt: list[int], args, prog: str) -> int:
@@ -142,11 +154,19 @@ def _reply(model, tok, messages, args, out, prog: str = "tunebook generate") -> 
 def _messages(args, user: str) -> list[dict]:
     return ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else []) + [{"role": "user", "content": user}]
 
-def generate_main(argv: list[str] | None = None, out=None) -> int:
-    "`tunebook generate MODEL --prompt TEXT`: stream one answer to standard output."
+def generate_parser() -> argparse.ArgumentParser:
+    "The parser of `tunebook generate`."
     ap = _parser("tunebook generate", "Answer one prompt with a model folder or a run folder, streaming the tokens.", 0.0, None)
     ap.add_argument("--prompt", required=True, help="the user's message; '-' reads it from standard input")
-    args = ap.parse_args(argv)
+    return ap
+
+def chat_parser() -> argparse.ArgumentParser:
+    "The parser of `tunebook chat`."
+    return _parser("tunebook chat", "Chat with a model folder or a run folder. /reset starts over, /exit or end of input leaves.", 0.7, 0.9)
+
+def generate_main(argv: list[str] | None = None, out=None) -> int:
+    "`tunebook generate MODEL --prompt TEXT`: stream one answer to standard output."
+    args = generate_parser().parse_args(argv)
     if bad := _problems(args): print(f"tunebook generate: error: {'; '.join(bad)}", file=sys.stderr); return 2
     out = out or sys.stdout
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
@@ -158,8 +178,7 @@ def generate_main(argv: list[str] | None = None, out=None) -> int:
 
 def chat_main(argv: list[str] | None = None, input_fn=input, out=None) -> int:
     "`tunebook chat MODEL`: a conversation in the terminal; each line is a user turn, the reply streams back."
-    ap = _parser("tunebook chat", "Chat with a model folder or a run folder. /reset starts over, /exit or end of input leaves.", 0.7, 0.9)
-    args = ap.parse_args(argv)
+    args = chat_parser().parse_args(argv)
     if bad := _problems(args): print(f"tunebook chat: error: {'; '.join(bad)}", file=sys.stderr); return 2
     out = out or sys.stdout
     try: model, tok, what = load_for_chat(args.model, args.dtype, args.device)

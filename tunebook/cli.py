@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -85,8 +86,17 @@ def _eval_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("lm-evaluation-harness after training (tunebook eval)")
     g.add_argument("--eval-tasks", default=None, metavar="A,B,...",
                    help="score the base model and the trained one on these lm_eval tasks; summary.json gets lm_eval_before / lm_eval_after")
-    g.add_argument("--eval-include-path", default=None, metavar="DIR", help="a folder of your own lm_eval task YAML files")
-    g.add_argument("--eval-limit", type=float, default=None, metavar="N", help="examples per task (a fraction if < 1; default: all)")
+    g.add_argument("--eval-include-path", default=None, metavar="DIR", action=_Checked, help="a folder of your own lm_eval task YAML files")
+    g.add_argument("--eval-limit", type=float, default=None, metavar="N", action=_Checked, help="examples per task (a fraction if < 1; default: all)")
+
+class _Checked(argparse.Action):
+    "Store a value of --eval-limit (finite, > 0) or --eval-include-path (a folder) once checked: wrong ones stop at parsing, before training."
+    def __call__(self, parser, namespace, value, option_string=None):
+        if self.dest == "eval_limit" and not (math.isfinite(value) and value > 0):
+            parser.error(f"{option_string} {value}: give a number of examples per task (>= 1) or a fraction in (0, 1); leave it out for all")
+        if self.dest == "eval_include_path" and not os.path.isdir(value):
+            parser.error(f"{option_string} {value!r} is not a folder of task YAML files")
+        setattr(namespace, self.dest, value)
 
 def _check_eval_tasks(args) -> None:
     "Refuse unknown lm_eval task names (or a missing lm_eval) before any training."
@@ -115,8 +125,12 @@ def _lm_eval_run(cfg, args) -> dict:
         from tunebook.core import EMBEDDED_DIR
         base = EMBEDDED_DIR
     added = dict(lm_eval_tasks=args.eval_tasks)
-    if Path(str(base)).is_dir(): added["lm_eval_before"] = scores(base)   # a builder name has random weights: nothing to score before
-    added["lm_eval_after"] = scores(cfg.output_dir)
+    try:
+        if Path(str(base)).is_dir(): added["lm_eval_before"] = scores(base)   # a builder name has random weights: nothing to score before
+        added["lm_eval_after"] = scores(cfg.output_dir)
+    except (OSError, ValueError, ImportError) as e:   # training is done and saved: say so, and how to score it later
+        raise OSError(f"{one_line(e)}. Training finished: the model is saved in {cfg.output_dir}/model; score it later with "
+                      f"`tunebook eval {cfg.output_dir} --tasks {args.eval_tasks}`") from None
     added["lm_eval_samples"] = counts
     path = Path(cfg.output_dir) / "summary.json"
     summary = {**json.loads(path.read_text()), **added}
@@ -163,6 +177,8 @@ def _compare(args) -> int:
     from tunebook.config.commands import CompareConfig
     from tunebook.live import COMBOS, compare_techniques   # not widgets: no ipywidgets import
     cfg = config_from_args(args, CompareConfig)
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):   # found now, not after every combination ran
+        raise FileNotFoundError(f"--json {args.json}: its folder does not exist; create it first or write elsewhere")
     names = [c.strip() for c in cfg.combos.split(",")] if cfg.combos else list(COMBOS)
     unknown = [n for n in names if n not in COMBOS]
     if unknown: raise ValueError(f"unknown combination(s) {unknown}; known: {', '.join(COMBOS)}")

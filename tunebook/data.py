@@ -20,8 +20,8 @@ from .tasks import (TASKS, Task, check_answer, get_task, list_tasks, make_mixtur
                             make_task)
 
 # %% auto #0
-__all__ = ['encode_conversation', 'encode_prompt', 'shift_labels', 'DataStats', 'fit_max_seq_len', 'conversation_format',
-           'SFTDataset', 'eval_examples', 'sft_split', 'answer_tokens', 'fit_max_new_tokens']
+__all__ = ['encode_conversation', 'encode_prompt', 'shift_labels', 'DataStats', 'fit_max_seq_len', 'keep_advice',
+           'conversation_format', 'SFTDataset', 'eval_examples', 'sft_split', 'answer_tokens', 'fit_max_new_tokens']
 
 # %% ../nbs/04_data.ipynb #09c8c518
 def _plain_pieces(messages: list[dict]) -> list[tuple[str, bool]]:
@@ -117,8 +117,17 @@ def fit_max_seq_len(lengths: list[int],            # tokens of each example, as 
     over = sum(l > n for l in lengths)
     if not over: return n, f"max_seq_len={n} ({how}): every one of the {len(lengths):,} examples fits"
     fate = "are split into windows of that length" if windows else \
-        f"are dropped whole, so no target loses its end-of-turn token (max_seq_len={longest} keeps them)"
+        f"are dropped whole, so no target loses its end-of-turn token ({keep_advice(lengths, context)})"
     return n, f"max_seq_len={n} ({how}): {over:,} of {len(lengths):,} examples are longer and {fate}"
+
+def keep_advice(lengths: list[int], context: int | None) -> str:
+    "How to keep examples that are too long: a max_seq_len the model takes, or, past the model's context, shorter rows."
+    longest = max(lengths)
+    if context and longest > context:   # no max_seq_len can help: it is refused above the context
+        over = sum(l > context for l in lengths)
+        return (f"{over:,} of the {len(lengths):,} are longer than the model's context of {context} tokens, the most any max_seq_len "
+                f"allows (the longest has {longest}): shorten or remove those rows, or use a model with a longer context")
+    return f"max_seq_len={longest} keeps them"
 
 # %% ../nbs/04_data.ipynb #d3bbade5
 _CHAT_FORMATS = ("chat", "sharegpt")
@@ -193,11 +202,14 @@ class SFTDataset(TorchDataset):
         self.lengths = [len(ids) for ids, _ in encoded]
         st.longest = max(self.lengths)
         self.max_seq_len, self.length_report = fit_max_seq_len(self.lengths, context, max_seq_len, windows=fmt == "text")
+        past = bool(context) and st.longest > context   # rows no max_seq_len can keep: the advice is to shorten them
+        limit = f"the model's context of {context} tokens" if past and max_seq_len is None else spell("max_seq_len", self.max_seq_len)
         max_seq_len, over = self.max_seq_len, sum(n > self.max_seq_len for n in self.lengths)
         if over and too_long == "error" and fmt != "text":
-            raise ValueError(f"{over} of {st.examples} examples of {rows.name} are longer than {spell('max_seq_len', max_seq_len)} (the longest "
-                             f"has {st.longest} tokens); cutting them would lose their end-of-turn token. Set "
-                             f"{spell('max_seq_len', st.longest)}, leave it unset to fit the data, or pass too_long='drop'.")
+            raise ValueError(f"{over} of {st.examples} examples of {rows.name} are longer than {limit} (the longest "
+                             f"has {st.longest} tokens); cutting them would lose their end-of-turn token. " +
+                             (f"{keep_advice(self.lengths, context)}; or pass too_long='drop'." if past else
+                              f"Set {spell('max_seq_len', st.longest)}, leave it unset to fit the data, or pass too_long='drop'."))
         self.examples = []
         for ids, mask in encoded:
             if fmt == "text": pieces = [(ids[s:s + max_seq_len], mask[s:s + max_seq_len]) for s in range(0, len(ids), max_seq_len)]
@@ -212,9 +224,9 @@ class SFTDataset(TorchDataset):
         self.stats = st
         if not self.examples:
             if st.too_long:
-                raise ValueError(f"every example of {rows.name} is longer than {spell('max_seq_len', max_seq_len)} (the longest has "
-                                 f"{st.longest} tokens), so none is left to train on: set {spell('max_seq_len', st.longest)}, or leave it "
-                                 "unset to fit the data.")
+                raise ValueError(f"every example of {rows.name} ({st.examples:,}) is longer than {limit} (the longest has {st.longest} tokens), "
+                                 "so none is left to train on: " + (f"{keep_advice(self.lengths, context)}." if past else
+                                 f"set {spell('max_seq_len', st.longest)}, or leave it unset to fit the data."))
             raise ValueError(f"none of the {st.examples} examples has a token to learn: (chat) no message has the role 'assistant'.")
         if st.too_long: warnings.warn(f"{rows.name}: {self.length_report}.")
         if st.dropped: warnings.warn(f"{st.dropped} of {st.examples} examples of {rows.name} have no assistant turn to learn and were dropped.")

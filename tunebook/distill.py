@@ -24,7 +24,7 @@ from .train import SFT, ObjectiveSpec, Trainer, load_model_and_tokenizer, to_dev
 
 # %% auto #0
 __all__ = ['DISTILL_SPEC', 'kl_div_loss', 'ChunkedKLDiv', 'DistillKL', 'student_config', 'DistillPart', 'DistillConfig',
-           'held_out_kl', 'Distill', 'DistillTrainer', 'run_distill']
+           'held_out_kl', 'vocab_mismatch', 'Distill', 'DistillTrainer', 'run_distill']
 
 # %% ../nbs/14_distillation.ipynb #85fd2b14
 def kl_div_loss(student_logits: torch.Tensor,  # (B, T, V)
@@ -267,6 +267,25 @@ def held_out_kl(student, teacher, rows, kl_fn, batch_size: int = 32) -> float:  
     finally: student.train(was)
     return total / n if n else float("nan")
 
+def _token_ids(tok) -> dict:
+    "A tokenizer's token -> id map."
+    backend = getattr(tok, "backend", None)
+    if hasattr(backend, "get_vocab"): return backend.get_vocab()
+    return {tok.id_to_token(i): i for i in range(len(tok))}
+
+def vocab_mismatch(teacher, teacher_tok, student, student_tok) -> str | None:
+    "How the two models' vocabularies differ (their output sizes, then their tokenizers' token -> id maps where both are known), or None."
+    vt, vs = teacher.config.vocab_size, student.config.vocab_size
+    if vt != vs: return f"the teacher has {vt} output tokens, the student {vs}"
+    if teacher_tok is None or student_tok is None or teacher_tok is student_tok: return None
+    a, b = _token_ids(teacher_tok), _token_ids(student_tok)
+    if a == b: return None
+    moved = sorted(t for t in a.keys() & b.keys() if a[t] != b[t])
+    only = sorted(a.keys() ^ b.keys())
+    said = ([f"{len(moved)} tokens they share have other ids ({moved[0]!r}: {a[moved[0]]} in the teacher's, {b[moved[0]]} in the student's)"] if moved else []) + \
+           ([f"{len(only)} tokens are in one of them only (e.g. {only[0]!r})"] if only else [])
+    return "their tokenizers differ: " + ", and ".join(said)
+
 class Distill(SFT):
     "A student learns a teacher's next-token distributions (forward KL, by vocabulary slices under chunked_ce), optionally the labels too."
     name, lead = "distill", "held_out_kl"
@@ -288,6 +307,9 @@ class Distill(SFT):
         c, tok = tr.config, self.load_teacher(tr)
         if c.model is not None:
             model, own = load_model_and_tokenizer(c)
+            if problem := vocab_mismatch(self.teacher, tok, model, own):   # the KL compares the two distributions id by id
+                raise ValueError(f"--teacher {c.teacher} and the student --model {c.model} do not share a vocabulary: {problem}; "
+                                 "distillation needs one tokenizer for both (a teacher and a student of one model family)")
             return model, tok or own
         try: shape = student_config(self.teacher.config, c.student_layers, c.student_dim)
         except ValueError as e:

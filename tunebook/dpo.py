@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset as TorchDataset
 
 from .config import AdapterPart, MemoryPart, ModelPart, OptimPart, Part, RunPart, SourcePart
-from .data import collate_fn, encode_conversation, fit_max_seq_len, get_task, load_records, make_preference_pairs, shift_labels
+from .data import collate_fn, encode_conversation, fit_max_seq_len, get_task, keep_advice, load_records, make_preference_pairs, shift_labels
 from .logprobs import Reference, label_counts, sequence_logprobs   # shared with GRPO and KTO
 from .preference import ipo_loss, orpo_loss, simpo_loss
 from .records import preference_example, with_system
@@ -61,8 +61,9 @@ class PreferenceDataset(TorchDataset):
         lengths = [max(len(p["chosen"]["tokens"]), len(p["rejected"]["tokens"])) for p in pairs]
         self.max_seq_len, self.length_report = fit_max_seq_len(lengths, context, max_seq_len)
         keep = [i for i, n in enumerate(lengths) if n <= self.max_seq_len]
-        if not keep: raise ValueError(f"every pair of {rows.name} is longer than max_seq_len={self.max_seq_len} (the longest has "
-                                      f"{max(lengths)} tokens): raise --max-seq-len, or leave it unset to fit the data.")
+        if not keep: raise ValueError(f"every pair of {rows.name} ({len(pairs):,}) is longer than max_seq_len={self.max_seq_len} (the longest has "
+                                      f"{max(lengths)} tokens): " + (f"{keep_advice(lengths, context)}." if context and max(lengths) > context
+                                                                     else "raise --max-seq-len, or leave it unset to fit the data."))
         if len(keep) < len(pairs): warnings.warn(f"{rows.name}: {self.length_report}")
         self.examples, self.pairs = [examples[i] for i in keep], [pairs[i] for i in keep]
     def __len__(self): return len(self.pairs)
@@ -119,7 +120,7 @@ def load_pairs(cfg, tokenizer, context: int | None = None):
         held_pairs = PreferenceDataset(held, tokenizer, **kw)
         evals = [dict(messages=m, answer=c, where=w) for m, c, _, w in held_pairs.examples][:cfg.eval_samples]
         return PreferenceDataset(train, tokenizer, **kw), PreferenceDataset(held.select(range(cfg.n_eval_pairs)), tokenizer, **kw), evals, task.check
-    rows = load_records(cfg.data)
+    rows = load_records(cfg.data, cfg.data_split)
     n_eval = min(cfg.n_eval_pairs, max(1, int(len(rows) * cfg.eval_fraction)))
     split = rows.train_test_split(test_size=n_eval, seed=cfg.seed, shuffle=True)
     train, held = PreferenceDataset(split["train"], tokenizer, **kw), PreferenceDataset(split["test"], tokenizer, **kw)

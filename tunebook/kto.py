@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from .batches import collate_fn
 from .config import AdapterPart, MemoryPart, ModelPart, OptimPart, Part, RunPart, SourcePart
-from .data import fit_max_seq_len, get_task, load_records, make_preference_pairs
+from .data import fit_max_seq_len, get_task, keep_advice, load_records, make_preference_pairs
 from .dpo import PreferenceDataset, preference_metrics
 from .logprobs import Reference, sequence_logprobs
 from .preference import encode_answer, kto_examples, kto_loss, kto_reference_point, unpair
@@ -43,8 +43,9 @@ class KTODataset(torch.utils.data.Dataset):
         lengths = [len(it["tokens"]) for it in items]
         self.max_seq_len, self.length_report = fit_max_seq_len(lengths, context, max_seq_len)
         keep = [i for i, n in enumerate(lengths) if n <= self.max_seq_len]
-        if not keep: raise ValueError(f"every KTO row is longer than max_seq_len={self.max_seq_len} (the longest has {max(lengths)} "
-                                      "tokens): raise --max-seq-len, or leave it unset to fit the data.")
+        if not keep: raise ValueError(f"every KTO row ({len(items):,}) is longer than max_seq_len={self.max_seq_len} (the longest has "
+                                      f"{max(lengths)} tokens): " + (f"{keep_advice(lengths, context)}." if context and max(lengths) > context
+                                                                     else "raise --max-seq-len, or leave it unset to fit the data."))
         if len(keep) < len(items): warnings.warn(f"KTO data: {self.length_report}")
         self.examples = [examples[i] for i in keep]
         self.items = [dict(items[i], desirable=examples[i][2], index=k) for k, i in enumerate(keep)]
@@ -93,7 +94,7 @@ class KTO(Objective):
             self.eval_pairs = PreferenceDataset(held.select(range(c.n_eval_pairs)), tr.tokenizer, **kw) if self.eval_pairs is None else self.eval_pairs
             evals, check = [dict(messages=m, answer=a, where=w) for m, a, _, w in pairs.examples][:c.eval_samples], check or task.check
         elif self.train_rows is None:
-            rows = load_records(c.data)
+            rows = load_records(c.data, c.data_split)
             n_eval = max(1, int(len(rows) * c.eval_fraction))
             split = rows.train_test_split(test_size=n_eval, seed=c.seed, shuffle=True)
             kw.update(completion_field=c.completion_field, label_field=c.label_field)

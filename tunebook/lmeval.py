@@ -8,6 +8,7 @@ from __future__ import annotations
 import abc
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -31,7 +32,7 @@ except ImportError as e:  # an optional extra: the module still imports, and say
 else: _LM_EVAL_ERROR = None
 
 # %% auto #0
-__all__ = ['model_folder', 'TunebookLM', 'write_synthetic_tasks', 'run_eval', 'eval_main']
+__all__ = ['model_folder', 'TunebookLM', 'write_synthetic_tasks', 'run_eval', 'eval_parser', 'eval_main']
 
 # %% ../nbs/A1_tools.ipynb #5144f8be
 def model_folder(path, revision=None) -> Path:
@@ -244,12 +245,35 @@ def run_eval(model, tasks, include_path=None, limit=None, batch_size: int = 8, a
     tm = TaskManager(include_path=str(include_path) if include_path else None)
     unknown = [t for t in tasks if t not in tm.all_tasks]
     if unknown: raise ValueError(f"unknown lm_eval task(s) {unknown}; check the name, or pass include_path= the folder of its YAML.")
-    return simple_evaluate(model=lm, tasks=tasks, task_manager=tm, limit=limit, num_fewshot=num_fewshot,
-                           log_samples=log_samples, batch_size=batch_size, **kwargs)
+    try:
+        return simple_evaluate(model=lm, tasks=tasks, task_manager=tm, limit=limit, num_fewshot=num_fewshot,
+                               log_samples=log_samples, batch_size=batch_size, **kwargs)
+    except OSError as e:
+        if not _unreachable(e): raise
+        raise ConnectionError(_missing_data(e, tasks, tm)) from None
+
+def _unreachable(e: BaseException) -> bool:
+    "Whether `e` is a download that could not happen: offline mode, or no network (builtin, requests' or httpx's connection errors)."
+    return isinstance(e, ConnectionError) or type(e).__module__.split(".")[0] in ("requests", "httpx", "urllib3")
+
+def _missing_data(e: BaseException, tasks: list[str], tm) -> str:
+    "One line: which task's dataset is neither cached nor downloadable, why, and how to get it."
+    import datasets, os, re
+    entry = lambda t: (getattr(tm._entry(t), "cfg", None) if hasattr(tm, "_entry") else None) or {}   # the task's YAML options
+    which = [t for t in tasks if entry(t).get("dataset_path") and entry(t)["dataset_path"] in str(e)]
+    m = re.search(r"reach '([^']+)'", str(e))   # datasets: "Couldn't reach 'ORG/NAME' on the Hub"
+    data = entry(which[0])["dataset_path"] if which else m.group(1) if m else None
+    which = which or tasks
+    offline = [v for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE") if os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")]
+    why = f"{' and '.join(offline)} {'is' if len(offline) == 1 else 'are'} set, so nothing is downloaded" if offline else \
+          f"the Hugging Face hub could not be reached ({type(e).__name__})"
+    return (f"lm_eval task {', '.join(which)} needs the dataset {data or '(named in the task YAML)'}, which is not in the datasets cache "
+            f"{datasets.config.HF_DATASETS_CACHE}, and {why}: run the command once with network access"
+            f"{' (without ' + ' and '.join(offline) + ')' if offline else ''} to cache it, or set HF_HOME (or HF_DATASETS_CACHE) to a cache that holds it")
 
 # %% ../nbs/A1_tools.ipynb #f68a6ed8
-def eval_main(argv=None) -> int:
-    "`tunebook eval MODEL_OR_RUN --tasks a,b`: print lm_eval's table, write the results as JSON; the exit status."
+def eval_parser() -> argparse.ArgumentParser:
+    "The parser of `tunebook eval`."
     p = argparse.ArgumentParser(prog="tunebook eval", description="Score a model or run folder with lm-evaluation-harness.")
     p.add_argument("model", help="a Hugging Face model folder, a run folder (its model/ is used) or a hub name ORG/NAME")
     p.add_argument("--revision", default=None, help="hub branch, tag or commit (with ORG/NAME)")
@@ -262,13 +286,34 @@ def eval_main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: the checkpoint's)")
     p.add_argument("--output", default=None, help="write the results JSON here (default: MODEL/lm_eval.json for a run folder)")
-    a = p.parse_args(argv)
+    return p
+
+def _eval_problems(a) -> list[str]:
+    "What is wrong with eval's flags, each with its fix: checked before the model is loaded."
+    bad = []
+    if a.limit is not None and not (math.isfinite(a.limit) and a.limit > 0):
+        bad.append(f"--limit {a.limit}: give a number of examples per task (>= 1) or a fraction in (0, 1); leave it out for all")
+    if a.batch_size < 1: bad.append(f"--batch-size {a.batch_size}: must be >= 1")
+    if a.num_fewshot is not None and a.num_fewshot < 0: bad.append(f"--num-fewshot {a.num_fewshot}: must be >= 0")
+    if not [t for t in a.tasks.split(",") if t.strip()]: bad.append("--tasks is empty: name lm_eval tasks, e.g. --tasks hellaswag,arc_easy")
+    try: get_device(a.device)
+    except (ValueError, RuntimeError) as e: bad.append(f"--device {a.device}: {e}")
+    try: get_dtype(a.dtype)
+    except ValueError as e: bad.append(f"--dtype {a.dtype}: {e}")
+    if a.output is not None and not Path(a.output).expanduser().resolve().parent.is_dir():   # found now, not after the scoring
+        bad.append(f"--output {a.output}: its folder does not exist; create it first or write elsewhere")
+    return bad
+
+def eval_main(argv=None) -> int:
+    "`tunebook eval MODEL_OR_RUN --tasks a,b`: print lm_eval's table, write the results as JSON; the exit status."
+    a = eval_parser().parse_args(argv)
+    if bad := _eval_problems(a): print(f"tunebook eval: error: {'; '.join(bad)}", file=sys.stderr); return 2
     try:
         limit = None if a.limit is None else (a.limit if a.limit < 1 else int(a.limit))
         lm = TunebookLM(pretrained=a.model, adapter=a.adapter, batch_size=a.batch_size, dtype=a.dtype, device=a.device, revision=a.revision)
         out = run_eval(lm, a.tasks, a.include_path, limit, a.batch_size, num_fewshot=a.num_fewshot)
-    except (FileNotFoundError, ValueError, ImportError, HubError) as e:
-        print(f"tunebook eval: {e}", file=sys.stderr)
+    except (OSError, ValueError, ImportError, HubError) as e:   # OSError: a missing file, or a task's data neither cached nor downloadable
+        print(f"tunebook eval: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     print(lm_utils.make_table(out))
     dest = a.output or (Path(a.model) / "lm_eval.json" if (Path(a.model) / "model" / "config.json").is_file() else None)

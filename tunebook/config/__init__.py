@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+import os
 import typing
 from dataclasses import dataclass
 
 import torch
 
-from .files import config_yaml, field_help, part_fields, read_yaml, write_yaml
+from .files import _want, config_yaml, field_help, part_fields, read_yaml, write_yaml
 from ..core import flag, get_device
 from ..precision import PRECISIONS, resolve_precision
 from ..loggers import LOGGERS
@@ -33,6 +35,25 @@ def recipe_name(cfg, width: int | None = None) -> str:
     small = width < REAL_MIN_WIDTH if width is not None else str(getattr(cfg, "model", "embedded")) == "embedded"
     return "embedded" if small else ("full" if getattr(cfg, "method", "lora") == "full" else "lora")
 
+_KIND_NAMES = {"int": "an int", "float": "a float", "bool": "a bool", "str": "a str", "tuple": "a tuple of str (or one comma-separated str)"}
+
+def _type_problem(f, v, kind: str, optional: bool) -> str:
+    "One line: option `f` holds `v`, not the `kind` its annotation says, and the value to write instead."
+    got = "None" if v is None else f"{type(v).__name__} {v!r}"
+    default = f.default if f.default is not dataclasses.MISSING else None
+    fix = None
+    if isinstance(v, str) and kind in ("int", "float"):   # text that holds the number
+        try: fix = int(v) if kind == "int" else float(v)
+        except ValueError: pass
+    elif kind == "int" and isinstance(v, float) and v.is_integer(): fix = int(v)
+    elif kind == "str" and isinstance(v, (int, float)) and not isinstance(v, bool): fix = str(v)
+    elif kind == "bool" and isinstance(v, str) and v.lower() in ("true", "false", "yes", "no", "1", "0"): fix = v.lower() in ("true", "yes", "1")
+    if fix is not None: how = f"write {f.name}={fix!r}"
+    elif kind == "int" and isinstance(v, float): how = f"give a whole number ({f.name}={math.floor(v)} or {math.ceil(v)})" if math.isfinite(v) else "give a whole number"
+    elif default is not None: how = f"give one like the default, {f.name}={default!r}" + (" (or None)" if optional else "")
+    else: how = "give one" + (" or None" if optional else "")
+    return f"option {f.name}: expected {_KIND_NAMES[kind]}{' or None' if optional else ''}, got {got}: {how} (the CLI's {flag(f.name)})"
+
 class Part:
     "Base of every config part: the chain of `problems()`, how an error names an option, dict and YAML output."
     _kind: typing.ClassVar[str] = "training"    # names the options in the error
@@ -42,11 +63,33 @@ class Part:
         "What is wrong with these options, each with its fix (each part adds its own, then calls the next)."
         return []
 
+    def __post_init__(self):
+        "Take what plainly means the same: a path (`pathlib.Path`) for a path string, a numpy integer for an int."
+        for f in dataclasses.fields(self):
+            v, (kind, _) = getattr(self, f.name), _want(f.type)
+            if kind == "str" and isinstance(v, os.PathLike): setattr(self, f.name, os.fspath(v))
+            elif kind in ("int", "float") and isinstance(v, numbers.Integral) and not isinstance(v, (bool, int)): setattr(self, f.name, int(v))
+            elif kind == "float" and isinstance(v, numbers.Real) and not isinstance(v, (bool, int, float)): setattr(self, f.name, float(v))
+
     def validate(self):
-        "Refuse impossible options before any work is done: every problem in one error."
-        bad = self.not_finite() + self.problems()
+        "Refuse impossible options before any work is done: every problem in one error (wrong types first: range checks need numbers)."
+        bad = self.type_problems()
+        bad = bad or self.not_finite() + self.problems()
         if bad: raise ValueError(f"invalid {self._kind} options:\n  - " + "\n  - ".join(bad))
         return self
+
+    def type_problems(self) -> list[str]:
+        "Every option whose value is not of its annotated type (a Python caller's `max_steps=\"10\"`), each with the value to write."
+        bad = []
+        for f in dataclasses.fields(self):
+            v, (kind, optional) = getattr(self, f.name), _want(f.type)
+            if v is None and optional: continue
+            ok = {"int": isinstance(v, int) and not isinstance(v, bool),
+                  "float": isinstance(v, (int, float)) and not isinstance(v, bool),
+                  "bool": isinstance(v, bool), "str": isinstance(v, str),
+                  "tuple": isinstance(v, (tuple, list)) and all(isinstance(x, str) for x in v)}.get(kind, True)
+            if not ok: bad.append(_type_problem(f, v, kind, optional))
+        return bad
 
     def not_finite(self) -> list[str]:
         "Every float option that is NaN or infinite: each would pass a range check (`nan < 0` is False) and break step 1."
@@ -103,7 +146,8 @@ class ModelPart(Part):
     seed: int = 0                        # seeds the weights of a built model, data order, LoRA init and sampling
 
     def problems(self) -> list[str]:
-        return self._device_problems() + super().problems()
+        bad = [f"{self.opt('seed')} must be >= 0 (numpy's generators take no negative seed)"] if self.seed < 0 else []
+        return bad + self._device_problems() + super().problems()
 
     def _device_problems(self) -> list[str]:
         "dtype and device: known names, present here, and a pair that trains (`tunebook.precision` decides: pure fp16 does not)."
@@ -120,6 +164,7 @@ class ModelPart(Part):
 class SourcePart(Part):
     "The data source: a file or a synthetic task, prompts, the held-out share, sequence length."
     data: str | None = None              # a local .json/.jsonl/.csv/.parquet/.arrow file or a datasets save_to_disk folder; None: a synthetic task
+    data_split: str | None = None        # a saved DatasetDict's split to read (None: train, or its only split); a file: train or a slice (train[:100])
     task: str | None = None              # synthetic task (default: the embedded model's fine-tune task)
     prompt_field: str = "prompt"         # instruct format: the column holding the prompt
     system_prompt: str | None = None     # a system turn put before every prompt
@@ -131,6 +176,8 @@ class SourcePart(Part):
         bad, o = [], self.opt
         if self.max_seq_len is not None and self.max_seq_len < 1: bad.append(f"{o('max_seq_len')} must be >= 1")
         if not 0 <= self.eval_fraction < 1: bad.append(f"{o('eval_fraction')} must be in [0, 1)")
+        if isinstance(self.data, str) and not os.path.exists(os.path.expanduser(self.data)):   # found before any folder or model
+            bad.append(f"{o('data')}: no such file or folder")
         return bad + super().problems()
 
 @dataclass
@@ -167,8 +214,9 @@ class AdapterPart(Part):
     lora_dropout: float = 0.0            # LoRA: dropout on the adapter's input
 
     def __post_init__(self):
-        self.lora_targets = tuple(self.lora_targets.split(",")) if isinstance(self.lora_targets, str) else tuple(self.lora_targets)
-        if hasattr(super(), "__post_init__"): super().__post_init__()
+        if isinstance(self.lora_targets, str): self.lora_targets = tuple(self.lora_targets.split(","))
+        elif isinstance(self.lora_targets, list): self.lora_targets = tuple(self.lora_targets)   # anything else: validate names it
+        super().__post_init__()
 
     def problems(self) -> list[str]:
         bad, o = [], self.opt

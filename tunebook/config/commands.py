@@ -39,7 +39,9 @@ class EstimateConfig(Part):
     _command: typing.ClassVar[str] = "estimate"
 
     def __post_init__(self):
-        self.lora_targets = tuple(self.lora_targets.split(",")) if isinstance(self.lora_targets, str) else tuple(self.lora_targets)
+        if isinstance(self.lora_targets, str): self.lora_targets = tuple(self.lora_targets.split(","))
+        elif isinstance(self.lora_targets, list): self.lora_targets = tuple(self.lora_targets)
+        super().__post_init__()
 
     def problems(self) -> list[str]:
         bad, o = [], self.opt
@@ -47,6 +49,7 @@ class EstimateConfig(Part):
         if self.dtype not in ("bf16", "fp32"): bad.append(f"{o('dtype')}: use bf16 or fp32")
         for k in ("batch_size", "max_seq_len", "grad_accum_steps", "nproc", "lora_rank"):
             if getattr(self, k) < 1: bad.append(f"{o(k)} must be >= 1")
+        if self.method != "full" and self.lora_alpha <= 0: bad.append(f"{o('lora_alpha')} must be > 0")
         if self.chunked_ce < 0: bad.append(f"{o('chunked_ce')} must be >= 0 (0 = off)")
         if self.optimizer_in_backward: bad += in_backward_problems(self.grad_accum_steps)
         return bad + super().problems()

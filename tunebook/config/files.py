@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 from pathlib import Path
 
@@ -19,16 +20,19 @@ __all__ = ['field_help', 'part_fields', 'config_yaml', 'write_yaml', 'check_valu
 # %% ../../nbs/11_training_loop.ipynb #30ab2218
 def field_help(cls) -> dict[str, str]:
     "Field name -> the comment after it in the source of `cls` or its bases (the most derived wins)."
-    import inspect, re
     names, helps = {f.name for f in dataclasses.fields(cls)}, {}
     for k in reversed(cls.__mro__):
-        if not dataclasses.is_dataclass(k): continue
-        try: src = inspect.getsource(k)
-        except (OSError, TypeError): continue
-        own = k.__dict__.get("__annotations__", {})
-        helps.update({m.group(1): m.group(2).strip() for m in re.finditer(r"^\s+(\w+):[^#\n]*#\s*(.*)$", src, re.M)
-                      if m.group(1) in names and m.group(1) in own})
+        if dataclasses.is_dataclass(k): helps.update({n: h for n, h in _own_help(k).items() if n in names})
     return helps
+
+@functools.cache
+def _own_help(k) -> dict[str, str]:
+    "The comments after the fields class `k` annotates itself, read from its source once (every parser built asks again)."
+    import inspect, re
+    try: src = inspect.getsource(k)
+    except (OSError, TypeError): return {}
+    own = k.__dict__.get("__annotations__", {})
+    return {m.group(1): m.group(2).strip() for m in re.finditer(r"^\s+(\w+):[^#\n]*#\s*(.*)$", src, re.M) if m.group(1) in own}
 
 def part_fields(cls) -> list[tuple[type, list[str]]]:
     "The fields of config class `cls` grouped by the part that defines each: [(part, names)], the parts in base order, `cls`'s own last."

@@ -5,6 +5,7 @@
 # %% ../../nbs/15_grpo.ipynb #da09158f
 from __future__ import annotations
 
+import os
 import typing
 from dataclasses import dataclass
 
@@ -28,7 +29,7 @@ class GRPOPart(Part):
     answer_field: str = "answer"       # data file: the column the reward checks (exact match after stripping, or --reward)
     temperature: float = 0.7           # sampling: 1.0 scatters the embedded model's answers (train reward ~0.2 on add)
     top_k: int | None = None           # sampling: keep only the k likeliest tokens
-    reward: str | None = None          # "module:function" (completion, row) -> float; None: the task's checker (data: exact match)
+    reward: str | None = None          # "module:function" or "path/to/file.py:function", called as fn(completion, row) -> float; None: the task's checker (data: exact match)
     loss_type: str = "grpo"            # grpo (sequence mean, then mean), dr_grpo (token sum / max_new_tokens, no std scaling), dapo (token mean, clip-higher), gspo (sequence-level ratio)
     beta: float = 0.04                 # KL to the reference
     clip_eps: float = 0.2              # ratio clip range: [1 - clip_eps, 1 + clip_eps_high]
@@ -55,6 +56,8 @@ class GRPOPart(Part):
         if self.max_staleness < 0 or self.queue_size < 1 or self.sync_every < 1 or self.num_generators < 1:
             bad.append("max_staleness >= 0, queue_size >= 1, sync_every >= 1 and num_generators >= 1 are required")
         if self.reward is not None and ":" not in self.reward: bad.append(f"reward={self.reward!r}: use 'module:function'")
+        elif self.reward is not None and (file := self.reward.rpartition(":")[0]).endswith(".py") and not os.path.isfile(os.path.expanduser(file)):
+            bad.append(f"{o('reward')}: no such file {file!r}")
         if self.loss_type not in LOSS_TYPES: bad.append(f"{o('loss_type')}: use one of {', '.join(LOSS_TYPES)}")
         if self.offpolicy not in OFFPOLICY: bad.append(f"{o('offpolicy')}: use one of {', '.join(OFFPOLICY)}")
         if self.generator not in GENERATORS: bad.append(f"{o('generator')}: use torch or vllm")
@@ -65,6 +68,11 @@ class GRPOPart(Part):
         if self.generator_dtype not in (None, "fp32", "bf16", "fp16"):
             bad.append(f"{o('generator_dtype')}: use fp32, bf16 or fp16")
         if self.tis_cap < 1: bad.append(f"{o('tis_cap')} must be >= 1 (a cap below 1 shrinks every on-policy token)")
+        if self.top_k is not None and self.top_k < 1: bad.append(f"{o('top_k')} must be >= 1 (leave it out to keep every token)")
+        if self.beta < 0: bad.append(f"{o('beta')} must be >= 0 (0: no KL to the reference)")
+        for k in ("generator_threads", "learner_threads"):
+            if getattr(self, k) is not None and getattr(self, k) < 1: bad.append(f"{o(k)} must be >= 1")
+        if self.worker_timeout <= 0: bad.append(f"{o('worker_timeout')} must be > 0 seconds")
         return bad + super().problems()
 
 @dataclass

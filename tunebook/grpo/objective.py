@@ -26,7 +26,7 @@ from .config import GRPO_TASK, GRPOConfig
 __all__ = ['GRPO_SPEC', 'prompt_rows', 'GRPO', 'GRPOTrainer', 'run_grpo']
 
 # %% ../../nbs/15_grpo.ipynb #a1634d21
-def prompt_rows(cfg: GRPOConfig, tokenizer, task: str | None) -> tuple[list[dict], list[dict]]:
+def prompt_rows(cfg: GRPOConfig, tokenizer, task: str | None, context: int | None = None) -> tuple[list[dict], list[dict]]:
     "(training prompts, held-out prompts) as rows with `messages`, `prompt` and `answer_field`."
     c = cfg
     as_row = lambda r, p, a: {**r, "messages": _prompt_messages(r[p], c.system_prompt), "prompt": r[p], c.answer_field: r[a]}
@@ -35,7 +35,7 @@ def prompt_rows(cfg: GRPOConfig, tokenizer, task: str | None) -> tuple[list[dict
         evals = [as_row(r, "prompt", "answer") for r in make_task(task, c.eval_samples, seed=c.seed, split="eval")]
     else:
         from tunebook.records import load_records
-        recs = load_records(c.data)
+        recs = load_records(c.data, c.data_split)
         for i, r in enumerate(recs):
             if missing := [k for k in (c.prompt_field, c.answer_field) if k not in r]:
                 raise ValueError(f"{c.data}: row {i} has no {' or '.join(map(repr, missing))} column (it has {sorted(r)}); "
@@ -44,12 +44,16 @@ def prompt_rows(cfg: GRPOConfig, tokenizer, task: str | None) -> tuple[list[dict
         random.Random(c.seed).shuffle(rows)
         n_eval = min(c.eval_samples, round(len(rows) * c.eval_fraction))
         evals, train = rows[:n_eval], rows[n_eval:]
-    if c.max_seq_len is None: return train, evals   # the model's context is the only bound
-    room = c.max_seq_len - c.max_new_tokens
+    limit = c.max_seq_len or context   # unset: the model's context (`context`) is the bound
+    if limit is None: return train, evals
+    room, what = limit - c.max_new_tokens, f"max_seq_len={limit}" if c.max_seq_len else f"the model's context of {limit} tokens"
     fits = lambda r: len(encode_prompt(tokenizer, r["messages"], None if c.chat_template else False)) <= room
     kept = [r for r in train if fits(r)]
-    if len(kept) < len(train): warn(f"{len(train) - len(kept)} of {len(train)} prompts are longer than max_seq_len - max_new_tokens = {room} tokens and were left out.")
-    if not kept: raise ValueError(f"no training prompt fits max_seq_len={c.max_seq_len} with max_new_tokens={c.max_new_tokens}: raise --max-seq-len.")
+    if len(kept) < len(train): warn(f"{len(train) - len(kept)} of {len(train)} prompts are longer than {what} less max_new_tokens = {room} tokens and were left out.")
+    if not kept:
+        fix = "raise --max-seq-len" if c.max_seq_len and (not context or c.max_seq_len < context) else \
+              "shorten the prompts or lower --max-new-tokens (no max_seq_len can pass the model's context)"
+        raise ValueError(f"no training prompt of the {len(train):,} fits {what} with max_new_tokens={c.max_new_tokens}: {fix}.")
     return kept, [r for r in evals if fits(r)]
 
 # %% ../../nbs/15_grpo.ipynb #778ae160
@@ -94,9 +98,9 @@ class GRPO(Objective):
         if task is None and c.data is None: task = GRPO_TASK   # no file: the synthetic task's prompts and checker
         if self.reward_fn is None:   # a function given in Python, else --reward, else the file's answers, else the task's checker
             self.reward_fn = (load_reward(c.reward, task) if c.reward is not None       # a bad --reward is refused early
-                              else AnswerReward(c.answer_field) if c.data is not None and task is None else TaskReward(task))
+                              else AnswerReward(c.answer_field) if c.data is not None and task is None else TaskReward(task, c.answer_field))
         if self.prompts is None or self.eval_prompts is None:
-            train, evals = prompt_rows(c, tr.tokenizer, task)
+            train, evals = prompt_rows(c, tr.tokenizer, task, getattr(tr.model.config, "max_seq_len", None))
             self.prompts = self.prompts if self.prompts is not None else train
             self.eval_prompts = self.eval_prompts if self.eval_prompts is not None else evals
         tr.callbacks.append(_ClosePool(self))   # stops the generators when the run is asked to stop, and when it ends

@@ -23,9 +23,9 @@ __all__ = ['PACKED_KEYS', 'TaskReward', 'AnswerReward', 'call_reward', 'load_rew
 
 # %% ../../nbs/15_grpo.ipynb #a19fcb87
 class TaskReward:
-    "1.0 when a completion answers a synthetic task's row exactly, else 0.0."
-    def __init__(self, task: str): self.task = get_task(task).name
-    def __call__(self, completion: str, row: dict) -> float: return check_answer(self.task, completion, row["answer"])
+    "1.0 when a completion answers a synthetic task's row exactly, else 0.0 (the answer in the row's `field`: a data file's --answer-field)."
+    def __init__(self, task: str, field: str = "answer"): self.task, self.field = get_task(task).name, field
+    def __call__(self, completion: str, row: dict) -> float: return check_answer(self.task, completion, row[self.field])
     def __repr__(self): return f"TaskReward({self.task!r})"
 
 class AnswerReward:
@@ -40,19 +40,33 @@ def call_reward(reward_fn, completion: str, row: dict) -> float:
     name = f"{getattr(reward_fn, '__module__', None) or type(reward_fn).__module__}.{name}"
     where = f"the row whose prompt is {str(row.get('prompt', ''))[:60]!r} (completion {completion[:40]!r})"
     try: r = reward_fn(completion, row)
+    except KeyError as e:   # a column the function reads and the row lacks: name the columns it has
+        raise UserCodeError(f"the reward function {name} raised KeyError: {e} on {where}: the row has no {e} field; its fields are "
+                            f"{', '.join(map(repr, (k for k in row if k != 'messages')))}.") from e
     except Exception as e: raise UserCodeError(f"the reward function {name} raised {type(e).__name__}: {e} on {where}.") from e
     if not isinstance(r, numbers.Real) or not math.isfinite(r):
         raise UserCodeError(f"the reward function {name} returned {r!r} on {where}: it must return a finite number.")
     return float(r)
 
-def load_reward(spec: str | None, task: str):
-    "The reward function that `spec` ('module:function') names, checked to take (completion, row); or the task's checker."
-    if spec is None: return TaskReward(task)
-    import importlib, inspect
-    mod, _, name = spec.partition(":")
+def load_reward(spec: str | None, task: str, field: str = "answer"):
+    "The reward function that `spec` ('module:function' or 'path/to/file.py:function') names, checked to take (completion, row); or the task's checker."
+    if spec is None: return TaskReward(task, field)
+    import importlib, inspect, os, sys
+    from pathlib import Path
+    mod, _, name = spec.rpartition(":")
+    if mod.endswith(".py") or os.sep in mod:   # a file: imported by its name from its folder, so that its own imports of the modules beside it work
+        path = Path(mod).expanduser()
+        if not path.is_file(): raise ValueError(f"--reward {spec!r}: no such file {str(path)!r}.")
+        folder = str(path.resolve().parent)
+        if folder not in sys.path: sys.path.insert(0, folder)
+        mod = path.stem
     try: fn = getattr(importlib.import_module(mod), name)
     except ImportError as e:
-        raise ValueError(f"--reward {spec!r}: cannot import {mod!r} ({e}); put the module on PYTHONPATH or run from its folder.") from None
+        if getattr(e, "name", None) == mod:   # the module itself is nowhere on the path
+            raise ValueError(f"--reward {spec!r}: no module {mod!r} in the folder this runs from ({os.getcwd()}) or on PYTHONPATH: "
+                             f"give its file's path (--reward path/to/{mod.replace('.', '/')}.py:{name})") from None
+        raise ValueError(f"--reward {spec!r}: importing {mod!r} failed: {type(e).__name__}: {e} (an import inside it: install "
+                         f"that package, or put the module it names beside {mod}.py)") from None
     except AttributeError:
         raise ValueError(f"--reward {spec!r}: module {mod!r} has no {name!r}.") from None
     try: inspect.signature(fn).bind("completion", {})

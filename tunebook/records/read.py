@@ -156,12 +156,17 @@ def _dataset_rows(ds, name: str):
     rows = ds.to_list()
     return rows, [f"{name} row {i}" for i in range(len(rows))]
 
-def _split_of(dd, split: str, name: str):
+def _split_of(dd, split: str | None, name: str):
+    "(the split of DatasetDict `dd` that `split` names, its name): None is 'train', or the only split there is."
+    if split is None: split = "train" if "train" in dd or len(dd) != 1 else next(iter(dd))
     base = re.sub(r"\[.*\]$", "", split)
-    if base not in dd: raise ValueError(f"split {base!r} is not in {name}; it has {list(dd)}.")
-    return dd[base]
+    if base not in dd:
+        raise ValueError(f"{name} has no split {base!r}; its splits are {', '.join(map(repr, dd))}: "
+                         f"choose one with --data-split NAME (data_split= in Python)")
+    return dd[base], split
 
-def _slice(split: str, rows, where, name):
+def _slice(split: str | None, rows, where, name):
+    if split is None: return rows, where
     m = re.fullmatch(r"(\w+)(?:\[(-?\d*):(-?\d*)\])?", split)
     if not m: raise ValueError(f"split {split!r}: use a split name, optionally sliced, e.g. 'train' or 'train[:100]'.")
     if m.group(2) is None and m.group(3) is None: return rows, where
@@ -169,14 +174,16 @@ def _slice(split: str, rows, where, name):
     return rows[s], where[s]
 
 def load_records(source,               # a file (.jsonl/.json/.csv/.parquet/.arrow), a save_to_disk folder, a Dataset/DatasetDict, or a list of dicts
-                 split: str = "train", # which split; for one file, 'train' or a slice such as 'train[:100]'
+                 split: str | None = None, # which split: of a DatasetDict, its name (None: 'train', or its only split); of one file, 'train' or a slice such as 'train[:100]'
                 ) -> Records:
     "The rows of `source`, read exactly as written, each with its place (file and line, or row) for errors."
     import datasets
     if isinstance(source, Records): return source
+    single = not isinstance(source, datasets.DatasetDict)   # one split, 'train', unless a saved folder holds a DatasetDict
     if isinstance(source, datasets.DatasetDict):
+        ds, split = _split_of(source, split, "the given DatasetDict")
         name = f"split {split!r} of the given DatasetDict"
-        rows, where = _dataset_rows(_split_of(source, split, "this DatasetDict"), name)
+        rows, where = _dataset_rows(ds, name)
     elif isinstance(source, datasets.Dataset): name = "the given Dataset"; rows, where = _dataset_rows(source, name)
     elif isinstance(source, (list, tuple)):
         bad = next((i for i, r in enumerate(source) if not isinstance(r, dict)), None)
@@ -187,13 +194,16 @@ def load_records(source,               # a file (.jsonl/.json/.csv/.parquet/.arr
         if not any((path / f).exists() for f in ("dataset_info.json", "dataset_dict.json", "state.json")):
             raise ValueError(f"{name} is a folder but not one written by Dataset.save_to_disk; pass a data file instead.")
         ds = datasets.load_from_disk(str(path))
-        if isinstance(ds, datasets.DatasetDict): ds = _split_of(ds, split, name); name = f"{name} split {split!r}"
+        single = not isinstance(ds, datasets.DatasetDict)
+        if not single: ds, split = _split_of(ds, split, name); name = f"{name} split {split!r}"
         rows, where = _dataset_rows(ds, name)
     elif isinstance(source, (str, Path)):
         path = check_file(source, "data file"); name = repr(str(path))
         rows, where = _read_file(path)
     else:
         raise TypeError(f"cannot load records from a {type(source).__name__}; pass a file path, a datasets.Dataset or a list of dicts.")
+    if single and split is not None and re.sub(r"\[.*\]$", "", split) != "train":
+        raise ValueError(f"{name} has one split, 'train', not {split!r}: leave --data-split out (or slice it, 'train[:100]')")
     rows, where = _slice(split, rows, where, name)
     if not rows: raise ValueError(f"{name} has no rows: the data is empty, so there is nothing to train on.")
     return Records(rows, where, name)
