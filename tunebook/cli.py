@@ -63,8 +63,9 @@ def _finetune(args) -> int:
     trainer = Trainer(cfg)
     say = print if trainer.is_main else (lambda *a, **k: None)
     say(f"tunebook finetune: model={cfg.model} method={cfg.method} data={cfg.data or 'synthetic:' + str(cfg.task or 'default')}"
-          f" steps={cfg.max_steps} -> {cfg.output_dir}", flush=True)
+          + (f" epochs={cfg.epochs}" if cfg.epochs else f" steps={cfg.max_steps}") + f" -> {cfg.output_dir}", flush=True)
     trainer.setup()
+    if "epochs_report" in trainer.choices: say(f"  {trainer.choices['epochs_report']}", flush=True)
     say(f"  {len(trainer.train_data)} training examples, {len(trainer.eval_data)} held out; "
           f"{trainer.n_trainable:,} trainable parameters", flush=True)
     say(f"  {trainer.recipe['recipe_report']}", flush=True)   # lr and batch size: the recipe's for this model where unset, and why
