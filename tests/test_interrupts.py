@@ -259,3 +259,23 @@ def test_ctrl_c_reaching_the_generator_processes_too_saves_the_learner(tmp_path)
     with pytest.raises(Interrupted, match="stopped after step 2 of 4"): t.fit(progress=False)
     assert (tmp_path / "run" / "checkpoints" / "step_000002" / "progress.json").exists()
     assert all(not w.is_alive() for w in t.workers)
+
+
+def test_a_custom_objective_that_raises_is_named_and_the_last_good_state_kept(tmp_path):
+    """An objective of the user's (not tunebook's) whose loss raises at step 3: the run stops naming its class and method,
+    keeps step 2's state as a checkpoint, says failed, and resumes."""
+    from tunebook.train.objective import SFT
+    class MyLoss(SFT):
+        def loss(self, tr, b):
+            if tr.step == 2: raise ValueError("my loss cannot take this batch")
+            return super().loss(tr, b)
+    t = Trainer(_cfg("finetune", tmp_path / "run"), objective=MyLoss())
+    with pytest.raises(UserCodeError) as e: t.fit(progress=False)
+    msg = str(e.value)
+    assert "MyLoss.loss raised ValueError: my loss cannot take this batch (at step 3)" in msg and "step_000002" in msg, msg
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"
+
+
+def test_summary_says_how_many_rows_a_step_trains(tmp_path):
+    s = Trainer(_cfg("finetune", tmp_path / "run", batch_size=4, grad_accum_steps=3, max_steps=2)).fit(progress=False)
+    assert (s["batch_size"], s["grad_accum_steps"], s["rows_per_step"]) == (4, 3, 12), s
