@@ -19,7 +19,7 @@ FAMILIES = {
 }
 # rough / measured peak (batch 2 x 128, fp32, LoRA rank 4); without the DeltaNet and MoE terms: 0.49 / 0.41 and 0.79 / 0.81.
 # Both sides are deterministic (the tracker counts tensor bytes), so the ratio is pinned to +-0.02.
-RATIO = {("qwen3_5", "full"): 0.836, ("qwen3_5", "lora"): 0.807, ("qwen3_moe", "full"): 0.842, ("qwen3_moe", "lora"): 0.890}
+RATIO = {("qwen3_5", "full"): 0.836, ("qwen3_5", "lora"): 0.845, ("qwen3_moe", "full"): 0.842, ("qwen3_moe", "lora"): 0.890}
 
 
 def test_rough_parameter_count_is_the_model():

@@ -153,8 +153,10 @@ def rough_estimate(cfg: ModelConfig, method="lora", batch_size=1, seq_len=2048, 
     wb = 4 if dtype == "fp32" else 2
     q, kv, d, h, L = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.dim, cfg.hidden_dim, cfg.n_layers
     lin, total, n_tensors = _n_params(cfg)
-    per_layer = [_block_linears(cfg, i)[:-3] if cfg.is_moe(i) else _block_linears(cfg, i) for i in range(L)]   # adapters on every linear
-    lins = [l for ls in per_layer for l in ls]   # (an MoE layer's experts are no linears)
+    # adapters on every linear ("all-linear"): an MoE layer's experts are no linears, DeltaNet's in_proj_a/b are skipped
+    per_layer = [_block_linears(cfg, i)[:-3] if cfg.is_moe(i) else
+                 [l for j, l in enumerate(_block_linears(cfg, i)) if not (cfg.is_linear(i) and j in (2, 3))] for i in range(L)]
+    lins = [l for ls in per_layer for l in ls]
     if method == "full": trainable, biggest = total, cfg.vocab_size * d
     else:
         trainable = lora_rank * sum(i + o for ls in per_layer for i, o, _ in ls)
