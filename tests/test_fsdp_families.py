@@ -38,8 +38,9 @@ def _batches():
     return out
 
 
-def train(name, ckpt=None):
-    """STEPS AdamW steps of family `name`, sharded over the process group when there is one; losses, aux losses, weights."""
+def train(name, ckpt=None, summed=False):
+    """STEPS AdamW steps of family `name`, sharded over the process group when there is one; losses, aux losses, weights.
+    summed: the training step's form (summed token loss + aux x the micro-batch's units, then divided), else a mean loss."""
     import torch.distributed as dist
     import torch.nn.functional as F
     from tunebook.distributed import dp_loss, dp_router_aux_loss, global_mean, save_distributed
@@ -58,18 +59,23 @@ def train(name, ckpt=None):
         logits = model(tokens)
         s = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
         n = (labels != -100).sum()
-        if ws > 1: term, aux = dp_router_aux_loss(model); (dp_loss(s, n) + term).backward()
+        if ws > 1:
+            term, aux = dp_router_aux_loss(model, n if summed else None)
+            (dp_loss(s + term, n) if summed else dp_loss(s, n) + term).backward()
         else:
             term = model.router_aux_loss(); aux = float(term.detach()) if torch.is_tensor(term) else term
-            (s / n + term).backward()
+            ((s + term * n) / n if summed else s / n + term).backward()
         opt.step(); opt.zero_grad()
         losses.append(global_mean(s, n)); auxes.append(aux)
     if ckpt: save_distributed(ckpt, model)
     return losses, auxes, {k: full(v) for k, v in model.state_dict().items()}
 
 
+CASES = [("qwen3_moe", False), ("qwen3_moe", True), ("qwen3_5", False)]
+
+
 def train_both(ckpt):
-    return {name: train(name, ckpt if name == "qwen3_moe" else None) for name in FAMILIES}
+    return {(name, summed): train(name, ckpt if (name, summed) == ("qwen3_moe", False) else None, summed) for name, summed in CASES}
 
 
 @pytest.fixture(scope="module")
@@ -78,11 +84,11 @@ def two_rank_runs(tmp_path_factory):
     return launch(train_both, nproc=2, args=(str(ckpt),), verbose=False, timeout=HANG), ckpt
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
-def test_fsdp_moe_and_deltanet_match_one_process(two_rank_runs, name):
+@pytest.mark.parametrize("name,summed", CASES, ids=["moe-mean", "moe-summed", "qwen3_5"])
+def test_fsdp_moe_and_deltanet_match_one_process(two_rank_runs, name, summed):
     runs, _ = two_rank_runs
-    ref_losses, ref_aux, ref_w = train(name)
-    (l0, a0, w0), (l1, a1, w1) = runs[0][name], runs[1][name]
+    ref_losses, ref_aux, ref_w = train(name, summed=summed)
+    (l0, a0, w0), (l1, a1, w1) = runs[0][name, summed], runs[1][name, summed]
     assert l0 == l1 and a0 == a1
     torch.testing.assert_close(torch.tensor(l0), torch.tensor(ref_losses), rtol=0, atol=1e-5)
     torch.testing.assert_close(torch.tensor(a0), torch.tensor(ref_aux), rtol=0, atol=1e-6)
@@ -104,7 +110,7 @@ def test_dcp_moe_consolidates_to_hf(two_rank_runs, tmp_path):
     runs, ckpt = two_rank_runs
     out = consolidate_to_hf(ckpt, tmp_path / "hf", FAMILIES["qwen3_moe"])
     ref = build_model(FAMILIES["qwen3_moe"]).eval()
-    ref.load_state_dict(runs[0]["qwen3_moe"][2])
+    ref.load_state_dict(runs[0]["qwen3_moe", False][2])
     tokens = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(3))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
     assert type(theirs).__name__ == "Qwen3MoeForCausalLM"

@@ -98,7 +98,9 @@ def global_mean(loss_sum: torch.Tensor, num_tokens) -> float:
     return (t[0] / t[1].clamp(min=1)).item()
 
 # %% ../nbs/10_scaling_out.ipynb #f5d0a002
-def dp_router_aux_loss(model: nn.Module) -> tuple[torch.Tensor | float, float]:
+def dp_router_aux_loss(model: nn.Module,
+                       weight=None,   # this rank's units of the micro-batch, for a summed loss (None: the loss is a mean)
+                      ) -> tuple[torch.Tensor | float, float]:
     "`model.router_aux_loss()` of the whole data-parallel batch: (this rank's term to add before backward, the global value)."
     cfg, blocks = getattr(model, "config", None), moe_blocks(model)
     if cfg is None or not cfg.n_experts or not blocks: return 0.0, 0.0
@@ -119,7 +121,11 @@ def dp_router_aux_loss(model: nn.Module) -> tuple[torch.Tensor | float, float]:
     share = E * ((stats[:E] / rows).to(probs.dtype) * probs / rows.to(probs.dtype)).sum()   # the ranks' shares sum to the loss
     value = share.detach().double().clone()
     if ws > 1: dist.all_reduce(value)
-    return cfg.router_aux_loss_coef * share * ws, cfg.router_aux_loss_coef * value.item()
+    scale = torch.tensor(float(ws), dtype=torch.float64)   # a mean loss: FSDP's average of ws x shares is their sum
+    if weight is not None:   # a summed loss (then dp_loss): weighted by the micro-batch's units on all ranks, as one process does
+        scale = torch.as_tensor(weight).detach().to(dev, torch.float64).clone()
+        if ws > 1: dist.all_reduce(scale)
+    return cfg.router_aux_loss_coef * share * scale.item(), cfg.router_aux_loss_coef * value.item()
 
 
 # %% ../nbs/10_scaling_out.ipynb #b7118dae
