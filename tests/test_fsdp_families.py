@@ -7,6 +7,7 @@ import torch
 from conftest import HANG
 from tunebook.distributed import consolidate_to_hf, shard_model
 from tunebook.launch import launch, max_processes
+from tunebook.memory import fsdp_memory
 from tunebook.model import ModelConfig, build_model, qwen3_30b_a3b
 
 pytestmark = pytest.mark.skipif(max_processes("gloo") < 2, reason="needs 2 CPU cores for 2 gloo ranks")
@@ -68,7 +69,8 @@ def train(name, ckpt=None, summed=False):
         opt.step(); opt.zero_grad()
         losses.append(global_mean(s, n)); auxes.append(aux)
     if ckpt: save_distributed(ckpt, model)
-    return losses, auxes, {k: full(v) for k, v in model.state_dict().items()}
+    held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in model.parameters())
+    return losses, auxes, {k: full(v) for k, v in model.state_dict().items()}, held
 
 
 CASES = [("qwen3_moe", False), ("qwen3_moe", True), ("qwen3_5", False)]
@@ -87,8 +89,10 @@ def two_rank_runs(tmp_path_factory):
 @pytest.mark.parametrize("name,summed", CASES, ids=["moe-mean", "moe-summed", "qwen3_5"])
 def test_fsdp_moe_and_deltanet_match_one_process(two_rank_runs, name, summed):
     runs, _ = two_rank_runs
-    ref_losses, ref_aux, ref_w = train(name, summed=summed)
-    (l0, a0, w0), (l1, a1, w1) = runs[0][name, summed], runs[1][name, summed]
+    ref_losses, ref_aux, ref_w, _ = train(name, summed=summed)
+    (l0, a0, w0, b0), (l1, a1, w1, b1) = runs[0][name, summed], runs[1][name, summed]
+    # the shard arithmetic of fsdp_memory (3-D expert weights chunked on dim 0) is what each rank holds
+    assert b0 == b1 == fsdp_memory(build_model(FAMILIES[name], device="meta", init=False), 2)["parameters"]
     assert l0 == l1 and a0 == a1
     torch.testing.assert_close(torch.tensor(l0), torch.tensor(ref_losses), rtol=0, atol=1e-5)
     torch.testing.assert_close(torch.tensor(a0), torch.tensor(ref_aux), rtol=0, atol=1e-6)
