@@ -203,8 +203,15 @@ def student_config(teacher_config, n_layers: int | None = None, dim: int | None 
     n_kv_heads = n_kv_heads or max(1, min(n_heads, c.n_kv_heads // 2 or 1))
     while n_heads % n_kv_heads: n_kv_heads -= 1
     dim = dim or n_heads * c.head_dim
+    per_layer = {}   # per-layer lists follow the new depth: the teacher's pattern repeated (Gemma's, Qwen3.5's, SmolLM3's)
+    for f in ("layer_types", "no_rope_layers"):
+        if (v := getattr(c, f)) is not None: per_layer[f] = [v[i % len(v)] for i in range(n_layers)]
+    if (t := per_layer.get("layer_types")) and "full_attention" in c.layer_types and "full_attention" not in t:
+        t[-1] = "full_attention"   # a hybrid teacher's student keeps at least one full-attention layer
+    if c.mlp_only_layers: per_layer["mlp_only_layers"] = [i for i in c.mlp_only_layers if i < n_layers]   # MoE: dense layers that exist
+    if c.moe_hidden_dim: per_layer["moe_hidden_dim"] = max(8, c.moe_hidden_dim * dim // c.dim)   # experts shrink with the width
     return c.replace(n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=dim // n_heads,
-                     hidden_dim=hidden_dim or max(8, c.hidden_dim * dim // c.dim))
+                     hidden_dim=hidden_dim or max(8, c.hidden_dim * dim // c.dim), **per_layer)
 
 # %% ../nbs/14_distillation.ipynb #d9f8fdeb
 @dataclass

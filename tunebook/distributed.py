@@ -28,12 +28,13 @@ from .launch import RankError, _check_launch, default_backend, launch, max_proce
 from .lora import apply_lora, merge_lora
 from .memory.formulas import fsdp_memory   # re-exported: `from tunebook.distributed import fsdp_memory`
 from .model import ModelConfig, TransformerBlock, build_model, get_config
+from .moe import moe_blocks
 from .optim import InBackwardOptimizer
 
 # %% auto #0
-__all__ = ['require_process_group', 'default_mesh', 'shard_model', 'output_weight', 'dp_loss', 'global_mean', 'shard_vocab',
-           'vocab_parallel_cross_entropy', 'save_distributed', 'load_distributed', 'consolidate_to_hf', 'init_from_env',
-           'torchrun_command']
+__all__ = ['require_process_group', 'default_mesh', 'shard_model', 'output_weight', 'dp_loss', 'global_mean',
+           'dp_router_aux_loss', 'shard_vocab', 'vocab_parallel_cross_entropy', 'save_distributed', 'load_distributed',
+           'consolidate_to_hf', 'init_from_env', 'torchrun_command']
 
 # %% ../nbs/10_scaling_out.ipynb #6eb2931b
 def require_process_group(what: str = "this"):
@@ -95,6 +96,37 @@ def global_mean(loss_sum: torch.Tensor, num_tokens) -> float:
     t = torch.tensor([float(loss_sum.detach()), float(num_tokens)], dtype=torch.float64)
     if dist.is_initialized(): dist.all_reduce(t)
     return (t[0] / t[1].clamp(min=1)).item()
+
+# %% ../nbs/10_scaling_out.ipynb #f5d0a002
+def dp_router_aux_loss(model: nn.Module,
+                       weight=None,   # this rank's units of the micro-batch, for a summed loss (None: the loss is a mean)
+                      ) -> tuple[torch.Tensor | float, float]:
+    "`model.router_aux_loss()` of the whole data-parallel batch: (this rank's term to add before backward, the global value)."
+    cfg, blocks = getattr(model, "config", None), moe_blocks(model)
+    if cfg is None or not cfg.n_experts or not blocks: return 0.0, 0.0
+    logits = [b.router_logits for b in blocks]
+    if any(l is None for l in logits): raise ValueError("no router logits yet: run a forward pass first.")
+    E, k, dev = logits[0].shape[-1], blocks[0].gate.k, logits[0].device
+    m = getattr(model, "moe_attn_mask", None)   # padding is left out, as in moe_aux_loss
+    mask = torch.ones(logits[0].shape[0], device=dev) if m is None else m.reshape(-1).to(dev, torch.float32)
+    counts, probs = torch.zeros(E, device=dev), torch.zeros(E, device=dev)
+    for l in logits:
+        p = F.softmax(l, dim=-1)
+        counts = counts + torch.zeros(E, device=dev).scatter_add_(0, p.topk(k, dim=-1)[1].reshape(-1), mask.repeat_interleave(k))
+        probs = probs + (p.float() * mask[:, None]).sum(0)
+    stats = torch.cat([counts, (mask.sum() * len(logits))[None]]).detach().double()
+    ws = dist.get_world_size() if dist.is_initialized() else 1
+    if ws > 1: dist.all_reduce(stats)
+    rows = stats[E].clamp(min=1)
+    share = E * ((stats[:E] / rows).to(probs.dtype) * probs / rows.to(probs.dtype)).sum()   # the ranks' shares sum to the loss
+    value = share.detach().double().clone()
+    if ws > 1: dist.all_reduce(value)
+    scale = torch.tensor(float(ws), dtype=torch.float64)   # a mean loss: FSDP's average of ws x shares is their sum
+    if weight is not None:   # a summed loss (then dp_loss): weighted by the micro-batch's units on all ranks, as one process does
+        scale = torch.as_tensor(weight).detach().to(dev, torch.float64).clone()
+        if ws > 1: dist.all_reduce(scale)
+    return cfg.router_aux_loss_coef * share * scale.item(), cfg.router_aux_loss_coef * value.item()
+
 
 # %% ../nbs/10_scaling_out.ipynb #b7118dae
 def shard_vocab(model: nn.Module, mesh: DeviceMesh | None = None) -> nn.Module:

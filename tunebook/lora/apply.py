@@ -18,10 +18,14 @@ from ..moe import Experts
 from .experts import EXPERT_PARAMS, LoRAExperts
 
 # %% auto #0
-__all__ = ['lora_modules', 'expert_lora_modules', 'apply_lora', 'quantize_base', 'merge_lora', 'unmerge_lora', 'disable_adapters',
-           'remerge_lora']
+__all__ = ['ALL_LINEAR_SKIP', 'lora_modules', 'expert_lora_modules', 'apply_lora', 'quantize_base', 'merge_lora', 'unmerge_lora',
+           'disable_adapters', 'remerge_lora']
 
 # %% ../../nbs/06_lora.ipynb #9d4c3c4b
+# "all-linear" leaves out lm_head and Qwen3.5 DeltaNet's per-head scalar gates (decay a, write strength b: one output
+# per value head, often 4-32, narrower than a default rank); name them as targets to adapt them anyway
+ALL_LINEAR_SKIP = ("lm_head", "in_proj_a", "in_proj_b")
+
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
     "Name -> LoRALinear for every adapter layer in `model`."
     return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
@@ -102,7 +106,7 @@ def apply_lora(model: nn.Module,
     if "all-linear" in targets:   # also ("all-linear",), as a comma-split CLI flag gives it
         if len(targets) > 1: raise ValueError(f"targets={targets}: 'all-linear' already names every linear layer but "
                                               "lm_head; pass it alone, or list module names instead.")
-        targets = tuple(t for t in available if t != "lm_head")
+        targets = tuple(t for t in available if t not in ALL_LINEAR_SKIP)
     unknown = [t for t in targets if not any(_matches(n, [t]) for n in linear)]
     if unknown or not (targets or ex):
         fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

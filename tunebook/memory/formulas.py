@@ -95,25 +95,56 @@ def state_bytes(model: nn.Module, optimizer, optimizer_in_backward: bool = False
                 optimizer=_nbytes(_optimizer_tensors(optimizer)))
 
 # %% ../../nbs/09_measuring_memory.ipynb #df961e6b
-def _block_linears(c: ModelConfig) -> list[tuple[int, int, bool]]:
-    "(in, out, bias) of each linear layer of one block, as build_model makes it (Phi-3 keeps qkv and gate/up fused)."
+def _block_linears(c: ModelConfig, i: int = 0) -> list[tuple[int, int, bool]]:
+    "(in, out, bias) of each linear layer of block `i`, as build_model makes it (Phi-3 fused; Qwen3.5's DeltaNet and gated q)."
     q, kv, d, h = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.dim, c.hidden_dim
+    mlp = [(d, h, False), (d, h, False), (h, d, False)]
+    if c.is_linear(i):   # Gated DeltaNet: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj
+        vd = c.linear_value_heads * c.linear_value_head_dim
+        conv = 2 * c.linear_key_heads * c.linear_key_head_dim + vd
+        return [(d, conv, False), (d, vd, False), (d, c.linear_value_heads, False), (d, c.linear_value_heads, False), (vd, d, False)] + mlp
     if c.arch == "phi3": return [(d, q + 2 * kv, c.qkv_bias), (q, d, c.o_bias), (d, 2 * h, False), (h, d, False)]
-    return [(d, q, c.qkv_bias), (d, kv, c.qkv_bias), (d, kv, c.qkv_bias), (q, d, c.o_bias), (d, h, False), (d, h, False), (h, d, False)]
+    gq = 2 * q if c.attn_output_gate else q   # Qwen3.5's q_proj also gives the output gate
+    return [(d, gq, c.qkv_bias), (d, kv, c.qkv_bias), (d, kv, c.qkv_bias), (q, d, c.o_bias)] + mlp
 
 def _n_params(c: ModelConfig) -> tuple[int, int, int]:
-    "(weights of the block linears, all parameters, parameter tensors) of a config: q/k norms, biases, Gemma's four norms."
-    lins, L = _block_linears(c), c.n_layers
+    "(weights of the block linears, all parameters, parameter tensors) of a config: q/k norms, biases, Gemma's norms, DeltaNet."
+    L = c.n_layers
+    per = [_block_linears(c, i) for i in range(L)]
     n_norms = 4 if c.arch == "gemma3_text" else 2          # Gemma 3: a norm before and after attention and MLP
-    lin = L * sum(i * o for i, o, _ in lins)
+    lin = sum(i * o for ls in per for i, o, _ in ls)
     n_moe = sum(c.is_moe(i) for i in range(L))   # an MoE layer's MLP: a router and three stacked expert tensors, no linears
     lin -= n_moe * 3 * c.dim * c.hidden_dim
     experts = n_moe * c.n_experts * c.dim * (1 + 3 * (c.moe_hidden_dim or 0))
-    biases = L * sum(o for _, o, b in lins if b)
-    norms = L * (n_norms * c.dim + (2 * c.head_dim if c.qk_norm else 0)) + c.dim   # + the final norm
+    biases = sum(o for ls in per for _, o, b in ls if b)
+    n_lin = [i for i in range(L) if c.is_linear(i)]   # DeltaNet: conv kernel, dt_bias, A_log, gated norm; no q/k norms
+    conv = 2 * c.linear_key_heads * c.linear_key_head_dim + c.linear_value_heads * c.linear_value_head_dim
+    dn = len(n_lin) * (conv * c.linear_conv_kernel + 2 * c.linear_value_heads + c.linear_value_head_dim)
+    qk = (L - len(n_lin)) * 2 * c.head_dim if c.qk_norm else 0
+    norms = L * n_norms * c.dim + qk + c.dim   # + the final norm
     embed = c.vocab_size * c.dim * (1 if c.tie_embeddings else 2)
-    tensors = L * (len(lins) + sum(b for *_, b in lins) + n_norms + 2 * c.qk_norm) + 2 + (0 if c.tie_embeddings else 1)
-    return lin, lin + biases + norms + embed + experts, tensors + n_moe
+    tensors = (sum(len(ls) + sum(b for *_, b in ls) for ls in per) + L * n_norms + (qk and 2 * (L - len(n_lin)))
+               + 4 * len(n_lin) + 2 + (0 if c.tie_embeddings else 1))
+    return lin, lin + biases + norms + embed + experts + dn, tensors + n_moe
+
+def _deltanet_acts(c: ModelConfig, tok: int, wb: int) -> int:
+    "Saved activations of one Gated DeltaNet mixer: projections and conv in the compute dtype, the chunked rule's fp32 buffers."
+    from ..deltanet import CHUNK
+    Hv, dk, dv = c.linear_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    conv = 2 * c.linear_key_heads * dk + Hv * dv
+    proj = tok * wb * (2 * c.dim + 3 * conv + 4 * Hv * dv)   # norm, in_proj input, qkv/conv/act, z, gated norm, out_proj input
+    # fp32 per token and head: q, k, v, beta*k, decayed q/k, W, U0, the chunk's outputs, and its (C, C) decay, A and qk
+    rule = tok * 4 * Hv * (7 * dk + 4 * dv + 3 * CHUNK + 4)
+    state = -(-tok // CHUNK) * 4 * Hv * dk * dv             # no KV cache: one (dk, dv) state per head kept per chunk
+    return proj + rule + state
+
+def _mlp_acts(c: ModelConfig, i: int, tok: int, wb: int) -> int:
+    "Saved activations of layer `i`'s feed-forward: SwiGLU, or the router logits and k routed copies through an expert."
+    if not c.is_moe(i): return tok * wb * 3 * c.hidden_dim
+    k, E, mh = c.experts_per_token, c.n_experts, c.moe_hidden_dim
+    # logits and their fp32 softmax, top-k weights and ids; k routed copies of each token: the gathered input, gate, up,
+    # activation and product of the expert intermediate, the expert's output and its weighted copy
+    return tok * (E * (wb + 4) + k * 16) + tok * k * wb * (3 * c.dim + 4 * mh)
 
 def rough_estimate(cfg: ModelConfig, method="lora", batch_size=1, seq_len=2048, dtype="bf16", lora_rank=16, chunked_ce=0,
                    activation_checkpointing=False, activation_offloading=False, optimizer_in_backward=False,
@@ -125,8 +156,10 @@ def rough_estimate(cfg: ModelConfig, method="lora", batch_size=1, seq_len=2048, 
     q, kv, d, h, L = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.dim, cfg.hidden_dim, cfg.n_layers
     lin, total, n_tensors = _n_params(cfg)
     n_moe, E, I = sum(cfg.is_moe(i) for i in range(L)), cfg.n_experts or 0, cfg.moe_hidden_dim or 0
-    lins = _block_linears(cfg)   # adapters on every linear of a block ("all-linear")
-    per_layer = [lins[:-3] if cfg.is_moe(i) else lins for i in range(L)]   # an MoE layer's experts are no linears
+    # adapters on every linear ("all-linear"): an MoE layer's experts are no linears, DeltaNet's in_proj_a/b are skipped
+    per_layer = [_block_linears(cfg, i)[:-3] if cfg.is_moe(i) else
+                 [l for j, l in enumerate(_block_linears(cfg, i)) if not (cfg.is_linear(i) and j in (2, 3))] for i in range(L)]
+    lins = [l for ls in per_layer for l in ls]
     if method == "full": trainable, biggest = total, cfg.vocab_size * d
     else:
         trainable = lora_rank * sum(i + o for ls in per_layer for i, o, _ in ls)
@@ -143,10 +176,12 @@ def rough_estimate(cfg: ModelConfig, method="lora", batch_size=1, seq_len=2048, 
     grads = (biggest if optimizer_in_backward else trainable) * wb
     optim = 2 * trainable * wb + 4 * n_tensors
     tok = batch_size * seq_len
-    per_layer = tok * wb * (6 * d + 2 * kv + 3 * h)  # saved inputs of norms, projections, attention and SwiGLU
-    if activation_checkpointing: acts = (0 if activation_offloading else L * tok * d * wb) + per_layer
-    elif activation_offloading: acts = 2 * per_layer
-    else: acts = L * per_layer
+    gq = 2 * q if cfg.attn_output_gate else 0   # Qwen3.5's gated attention keeps the gate and the gated output
+    per_layer = [(_deltanet_acts(cfg, tok, wb) if cfg.is_linear(i) else tok * wb * (5 * d + 2 * kv + gq)) + tok * wb * d
+                 + _mlp_acts(cfg, i, tok, wb) for i in range(L)]   # saved inputs of norms, projections, the mixer and the MLP
+    if activation_checkpointing: acts = (0 if activation_offloading else L * tok * d * wb) + max(per_layer)
+    elif activation_offloading: acts = 2 * max(per_layer)
+    else: acts = sum(per_layer)
     logits = tok * cfg.vocab_size * (wb + 8) / max(1, chunked_ce or 1)  # logits, their fp32 copy and gradient
     cats = {"parameters": params / nproc, "gradients": grads / nproc, "optimizer": optim / nproc, "activations": acts,
             "temporaries": logits + (params / L if nproc > 1 else 0)}   # + one gathered block under FSDP
