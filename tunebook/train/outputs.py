@@ -67,7 +67,9 @@ def run_stats(self: Trainer) -> dict:
                 train_seconds=secs, peak_memory_bytes=peak, peak_memory_measured_by=how,
                 trainable_params=self.n_trainable, total_params=count_params(self.model), method=self.config.method,
                 precision=self.precision.name, precision_report=self.precision.report(), compile=self.config.compile,
-                stopped_early=self.step < self.config.max_steps)
+                stopped_early=self.step < self.config.max_steps,
+                **({"grad_accum_steps": self.config.grad_accum_steps,   # batch_size rows per micro-batch: a step trains both's product
+                    "rows_per_step": self.config.batch_size * self.config.grad_accum_steps} if getattr(self.config, "batch_size", None) else {}))
 
 @patch
 def _record_end(self: Trainer, **fields):

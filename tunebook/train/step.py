@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ..core import patch
 from ..data import IGNORE_INDEX
 from ..rundir import NonFiniteError, nonfinite_report
-from .trainer import Trainer, call_hook
+from .trainer import Trainer, call_hook, user_call
 
 # %% auto #0
 __all__ = ['step_micro_batches']
@@ -26,8 +26,9 @@ __all__ = ['step_micro_batches']
 def build_step_batches(self: Trainer, step: int) -> tuple[list, list]:
     "The micro-batches of optimizer step `step` and their weights (units each covers)."
     c, obj, last = self.config, self.objective, self.micro_limit   # with epochs, the last step may hold fewer micro-batches
-    batches = [obj.batch(self, g) for g in range(step * c.grad_accum_steps, (step + 1) * c.grad_accum_steps) if last is None or g < last]
-    return batches, [obj.weight(self, b) for b in batches]
+    batches = [user_call(obj, "batch", self, g) for g in range(step * c.grad_accum_steps, (step + 1) * c.grad_accum_steps)
+               if last is None or g < last]
+    return batches, [user_call(obj, "weight", self, b) for b in batches]
 
 @patch
 def step_batches(self: Trainer) -> tuple[list, list]:
@@ -138,8 +139,12 @@ def train_step(self: Trainer) -> dict:
     self.last_tracker = tracker
     moe = obj.adds_router_loss and getattr(getattr(self.model, "config", None), "n_experts", 0)
     def loss_of(b):
-        loss_sum, stats = obj.loss(self, b)
-        if moe:   # coef x the load-balancing loss of this forward, weighted as the micro-batch's mean loss is (transformers' sum)
+        loss_sum, stats = user_call(obj, "loss", self, b)
+        if moe and self.world > 1:   # the loss of the whole data-parallel batch: expert counts summed over the ranks first
+            from tunebook.distributed import dp_router_aux_loss
+            term, value = dp_router_aux_loss(self.model, weights[len(sums)])
+            loss_sum, stats = loss_sum + term, {**stats, "router_aux_loss": torch.tensor(value)}
+        elif moe:   # coef x the load-balancing loss of this forward, weighted as the micro-batch's mean loss is (transformers' sum)
             aux = self.model.router_aux_loss()
             loss_sum, stats = loss_sum + aux * weights[len(sums)], {**stats, "router_aux_loss": aux.detach()}
         sums.append(loss_sum.detach()); _add_stats(acc, stats, weights[len(sums) - 1])   # kept on the device

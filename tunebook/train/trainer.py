@@ -18,12 +18,12 @@ from ..core import count_params, fit_threads, get_device, patch, seed_everything
 from ..precision import resolve_precision
 from ..loggers import make_loggers
 from ..optim import adamw, decay_groups, fused_available, get_schedule, optimizer_in_backward
-from ..rundir import RunLock, UserCodeError, data_fingerprint, warn
+from ..rundir import RunLock, StepFailed, UserCodeError, data_fingerprint, warn
 from .load import model_width
 from .objective import SFT, Objective
 
 # %% auto #0
-__all__ = ['call_hook', 'Trainer']
+__all__ = ['call_hook', 'user_call', 'Trainer']
 
 # %% ../../nbs/11_training_loop.ipynb #70aac6b8
 def call_hook(cb, hook: str, *args):
@@ -36,6 +36,16 @@ def call_hook(cb, hook: str, *args):
         name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', hook)}"
         step = getattr(args[0], "step", "?") if args else "?"
         raise UserCodeError(f"the callback {name} raised {type(e).__name__}: {e} (at step {step})") from e
+
+def user_call(obj, method: str, tr, *args):
+    "`obj.<method>(tr, *args)`; when `obj`'s class is the user's (an objective of their own), an exception names it (`UserCodeError`)."
+    fn = getattr(obj, method)
+    if type(obj).__module__.startswith("tunebook."): return fn(tr, *args)   # ours: a bug keeps its traceback
+    try: return fn(tr, *args)
+    except StepFailed: raise
+    except Exception as e:
+        raise UserCodeError(f"{type(obj).__module__}.{type(obj).__qualname__}.{method} raised {type(e).__name__}: {e} "
+                            f"(at step {tr.step + 1})") from e
 
 class Trainer:
     "A training run: `fit()` does it all; `setup()` / `train_step()` / `evaluate()` do it a piece at a time. What is trained: `objective`."
@@ -129,10 +139,10 @@ class Trainer:
         if c.method == "full":
             for p in self.model.parameters(): p.requires_grad_(True)
             return
-        from tunebook.lora import apply_lora
-        every = "all-linear" in c.lora_targets   # as apply_lora reads it: every linear layer but lm_head
+        from tunebook.lora import ALL_LINEAR_SKIP, apply_lora
+        every = "all-linear" in c.lora_targets   # as apply_lora reads it: every linear layer but lm_head (and DeltaNet's gates)
         widths = [min(m.in_features, m.out_features) for n, m in self.model.named_modules() if hasattr(m, "in_features")
-                  and (n.rsplit(".", 1)[-1] != "lm_head" if every else n.rsplit(".", 1)[-1] in c.lora_targets)]
+                  and (n.rsplit(".", 1)[-1] not in ALL_LINEAR_SKIP if every else n.rsplit(".", 1)[-1] in c.lora_targets)]
         if widths and c.lora_rank > min(widths):
             raise ValueError(f"{c.opt('lora_rank')} is larger than the narrowest adapted layer ({min(widths)} features): "
                              f"a rank above min(in, out) adds parameters but no capacity; use --lora-rank {min(widths)} or less.")
