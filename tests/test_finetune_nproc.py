@@ -75,3 +75,29 @@ def test_second_run_exports_its_own_weights(model_dir, tmp_path):
     assert max((pb[n] - pr[n]).abs().max().item() for n in pb) <= 1e-5
     assert max((pb[n] - pa[n]).abs().max().item() for n in pb) > 1e-4
     assert sorted(p.name for p in (tmp_path / "shared" / "checkpoints").iterdir()) == ["step_000002"]
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    """A tiny Qwen3-MoE (4 experts, 2 per token, router_aux_loss_coef 0.5) with the reverse task's tokenizer."""
+    from conftest import hf_model
+    d = tmp_path_factory.mktemp("moe") / "moe"
+    rows = make_task("reverse", 300, seed=0)
+    tok = train_tokenizer([r["prompt"] + " " + r["response"] for r in rows], vocab_size=300)
+    hf = hf_model("qwen3_moe", seed=0, vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=16, intermediate_size=64, router_aux_loss_coef=0.5,
+                  tie_word_embeddings=False)
+    hf.save_pretrained(d); tok.save(d)
+    return d
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_on_an_moe(moe_dir, tmp_path):
+    """The load-balancing loss of the whole batch, not each rank's: two processes train the MoE as one does."""
+    one = _run(moe_dir, tmp_path / "one", 1, "--method", "full")
+    two = _run(moe_dir, tmp_path / "two", 2, "--method", "full")
+    assert (one["loss"] - two["loss"]).abs().max() <= 1e-5, (one["loss"].tolist(), two["loss"].tolist())
+    assert (one["router_aux_loss"] - two["router_aux_loss"]).abs().max() <= 1e-6
+    a, b = load_hf(tmp_path / "one" / "model"), load_hf(tmp_path / "two" / "model")
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert max((pa[n] - pb[n]).abs().max().item() for n in pa) <= 1e-5
