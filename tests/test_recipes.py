@@ -123,7 +123,8 @@ def test_flags_override_the_file(tmp_path):
     saved = yaml.safe_load((tmp_path / "C" / "config.yaml").read_text())
     assert (saved["max_steps"], saved["lr"], saved["chat_template"], saved["n_train"]) == (2, 0.001, False, 64)
     assert json.loads((tmp_path / "C" / "summary.json").read_text())["steps"] == 2
-    assert [float(l.split(",")[2]) for l in (tmp_path / "C" / "metrics.csv").read_text().splitlines()[1:]][1] == 0.001
+    import csv
+    assert [float(r["lr"]) for r in csv.DictReader(open(tmp_path / "C" / "metrics.csv"))][1] == 0.001
 
 
 # ---------------------------------------------------------------- errors name the key, the file and the line
