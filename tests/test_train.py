@@ -235,3 +235,20 @@ def test_compile_runs_the_blocks_compiled_with_the_same_loss(tok, tmp_path):
     assert all(is_compiled(b) for b in comp.model.layers) and not any(is_compiled(b) for b in eager.model.layers)
     la, lb = eager.train_step()["loss"], comp.train_step()["loss"]
     assert abs(la - lb) < 1e-4, (la, lb)
+
+
+def test_padding_and_trained_shares_are_reported(tok, tmp_path):
+    """summary.json says what share of the computed positions was padding and what share was trained: packed rows for one
+    epoch pad exactly what the packer left empty (PackedDataset.fill); one row per batch pads nothing."""
+    a = _trainer(tok, tmp_path / "packed", packing=True, max_seq_len=64, epochs=1, batch_size=4,
+                 max_steps=TrainConfig.max_steps).setup()   # the default: the epoch decides the steps
+    s = a.fit(progress=False)
+    rows = a.rows
+    positions = len(rows) * rows.max_seq_len
+    assert s["padding_share"] == pytest.approx(1 - rows.fill, abs=1e-12)
+    trained = sum(sum(l != -100 for l in r["labels"]) for r in rows.rows)
+    assert s["trained_share"] == pytest.approx(trained / positions, abs=1e-12)
+    assert 0 < s["padding_share"] < 0.5
+    b = _trainer(tok, tmp_path / "single", batch_size=1, max_steps=4).setup()
+    s = b.fit(progress=False)
+    assert s["padding_share"] == 0.0 and 0 < s["trained_share"] < 1

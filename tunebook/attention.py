@@ -15,8 +15,8 @@ from .core import no_autocast
 
 # %% auto #0
 __all__ = ['CPU_FP32_ATTENTION_MAX_LEN', 'RMSNorm', 'GemmaRMSNorm', 'llama3_scaled_freqs', 'longrope_attention_factor',
-           'RotaryEmbedding', 'rotate_half', 'apply_rotary', 'KVCache', 'build_mask', 'sdpa', 'Attention',
-           'FusedQKVAttention']
+           'RotaryEmbedding', 'rotate_half', 'apply_rotary', 'KVCache', 'build_mask', 'sdpa', 'DocumentSpans',
+           'Attention', 'FusedQKVAttention']
 
 # %% ../nbs/01_decoder.ipynb #14013bd7
 class RMSNorm(nn.Module):
@@ -193,6 +193,48 @@ def sdpa(q, k, v, mask=None, is_causal: bool = False, scale: float | None = None
         return y.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
 
+# %% ../nbs/01_decoder.ipynb #a30fc2c3
+class DocumentSpans:
+    "Where the documents of packed rows lie; attention computed one document at a time, never across two."
+    def __init__(self, spans: tuple):   # per row, the (start, end) of each run of one document id
+        self.spans = spans
+
+    @classmethod
+    def from_doc_ids(cls, doc_ids: torch.Tensor):   # (B, T) document index of each token (padding: -1)
+        rows = []
+        for r in doc_ids.tolist():
+            cuts = [0] + [i for i in range(1, len(r)) if r[i] != r[i - 1]] + [len(r)]
+            rows.append(tuple(zip(cuts[:-1], cuts[1:])))
+        return cls(tuple(rows))
+
+    @property
+    def work(self) -> float:
+        "Attention scores computed, as a fraction of those a dense (T x T) mask computes."
+        T = self.spans[0][-1][1]
+        return sum((e - s) ** 2 for row in self.spans for s, e in row) / (len(self.spans) * T * T)
+
+    def dense(self, device=None, sliding_window: int | None = None) -> torch.Tensor:
+        "The equivalent boolean mask (B, 1, T, T), for code that needs one."
+        ids = torch.tensor([[d for d, (s, e) in enumerate(row) for _ in range(s, e)] for row in self.spans], device=device)
+        return build_mask(ids.shape[1], doc_ids=ids, device=device, sliding_window=sliding_window)
+
+    def attend(self, q, k, v,                      # (B, H, T, hd), (B, Hkv, T, hd), (B, Hkv, T, hd)
+               scale: float | None = None, enable_gqa: bool = False,
+               sliding_window: int | None = None) -> torch.Tensor:   # (B, H, T, hd)
+        rows = []
+        for b, row in enumerate(self.spans):
+            parts = []
+            for s, e in row:
+                m = None if sliding_window is None or e - s <= sliding_window else \
+                    build_mask(e - s, sliding_window=sliding_window, device=q.device)
+                parts.append(sdpa(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e], m, m is None,
+                                  scale, enable_gqa))
+            rows.append(torch.cat(parts, 2) if len(parts) > 1 else parts[0])
+        return torch.cat(rows, 0) if len(rows) > 1 else rows[0]
+
+    def __repr__(self):
+        return f"DocumentSpans({len(self.spans)} rows, {sum(map(len, self.spans))} spans, {self.work:.0%} of the dense scores)"
+
 # %% ../nbs/01_decoder.ipynb #a6c1040a
 class Attention(nn.Module):
     "Multi-head attention with grouped KV heads, RoPE, SDPA, optional q/k norms, sliding window and KV cache."
@@ -224,7 +266,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor,          # (B, T, dim)
                 cos: torch.Tensor, sin: torch.Tensor,  # (B, T, rotary_dim) from RotaryEmbedding
-                mask: torch.Tensor | None = None,      # (B, 1, T, S) bool, or None for plain causal
+                mask: torch.Tensor | DocumentSpans | None = None,  # (B, 1, T, S) bool, packed documents, or None: causal
                 ) -> torch.Tensor:                     # (B, T, dim)
         B, T, _ = x.shape
         q, k, v = self.project(x)
@@ -237,6 +279,11 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)       # (B, H, T, hd), (B, Hkv, T, hd)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if self.use_rope: q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if isinstance(mask, DocumentSpans):   # packed rows: one document at a time
+            if self.cache is not None: raise ValueError("packed documents (doc_ids) do not combine with a KV cache")
+            y = mask.attend(q, k, v, self.scale, self.n_kv_heads != self.n_heads, self.sliding_window).transpose(1, 2)
+            if self.output_gate: y = y * torch.sigmoid(gate)
+            return self.o_proj(y.reshape(B, T, self.n_heads * self.head_dim))
         if self.cache is not None:
             k, v = self.cache.update(k, v)  # (B, Hkv, S, hd); a sliding cache returns only the last S positions
             if mask is not None and mask.shape[-1] > k.shape[2]: mask = mask[..., -k.shape[2]:]

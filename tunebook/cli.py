@@ -71,7 +71,8 @@ def _finetune(args) -> int:
     say(f"  {trainer.recipe['recipe_report']}", flush=True)   # lr and batch size: the recipe's for this model where unset, and why
     s = trainer.fit(progress=not args.quiet)   # Ctrl-C or SIGTERM: a checkpoint, then `Interrupted` naming it (exit 130/143)
     say(f"  held-out exact match: {s['eval_accuracy_before']:.1%} -> {s['eval_accuracy_after']:.1%}")
-    say(f"  {s['tokens_per_second']:.0f} tokens/s, peak memory {human_bytes(s['peak_memory_bytes'])} "
+    waste = (f" ({s['padding_share']:.0%} of them padding, {s['trained_share']:.0%} trained)" if "padding_share" in s else "")
+    say(f"  {s['tokens_per_second']:.0f} tokens/s{waste}, peak memory {human_bytes(s['peak_memory_bytes'])} "
           f"({s['peak_memory_measured_by']}), {time.perf_counter() - t0:.0f} s in all")
     if args.eval_tasks and trainer.is_main:
         scores = _lm_eval_run(cfg, args)

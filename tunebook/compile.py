@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import build_mask
+from .attention import DocumentSpans, build_mask
 from .moe import MoEFeedForward
 
 # %% auto #0
@@ -39,8 +39,9 @@ class _CompiledForward:
             return eager(m, *args)   # dynamo would guard on it and recompile at every new token until its limit
         if self.kind == "block":
             x, cos, sin, mask = (*args, None)[:4]
+            window = getattr(getattr(m, "self_attn", None), "sliding_window", None)
+            if isinstance(mask, DocumentSpans): mask = mask.dense(x.device, window)   # packed rows: the dense document mask
             if mask is None and x.shape[1] > 1:   # an explicit causal mask: SDPA's is_causal would be a symbolic bool
-                window = getattr(getattr(m, "self_attn", None), "sliding_window", None)
                 mask = build_mask(x.shape[1], device=x.device, sliding_window=window).expand(x.shape[0], -1, -1, -1)  # as a padded batch's
             _mark_seq_dynamic(x, cos, sin, mask)
             return self.compiled(m, x, cos, sin, mask)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import Attention, FusedQKVAttention, GemmaRMSNorm, KVCache, RMSNorm, RotaryEmbedding, build_mask
+from .attention import (Attention, DocumentSpans, FusedQKVAttention, GemmaRMSNorm, KVCache, RMSNorm,
+                                RotaryEmbedding, build_mask)
 from .core import get_dtype
 from .modelconfig import *   # ModelConfig, BUILDERS, get_config and the named builders, re-exported
 from .moe import Experts, MoEFeedForward, TopKRouter, moe_aux_loss
@@ -46,7 +47,10 @@ class Transformer(nn.Module):
         return self.lm_head.weight
 
     def _masks(self, T, start, attn_mask, doc_ids, mask, device):
-        "The mask of each distinct sliding window (None: full attention) in the layers."
+        "The mask of each distinct sliding window (None: full attention) in the layers; packed rows: their document spans."
+        if doc_ids is not None and mask is None and attn_mask is None and start == 0:
+            spans = DocumentSpans.from_doc_ids(doc_ids)   # each layer attends document by document (its window inside)
+            return {layer.self_attn.sliding_window: spans for layer in self.layers}
         out = {}
         for w in {layer.self_attn.sliding_window for layer in self.layers}:
             if mask is not None:

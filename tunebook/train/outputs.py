@@ -62,7 +62,9 @@ def run_stats(self: Trainer) -> dict:
     trained = sum(r["tokens"] for r in self.metrics)
     seq = sum(r["seq_tokens"] for r in self.metrics)
     secs = sum(r["seconds"] for r in self.metrics)
-    return dict(steps=self.step, final_loss=self.metrics[-1]["loss"] if self.metrics else None,
+    real = sum(r.get("real_tokens", 0) for r in self.metrics)
+    shares = dict(padding_share=1 - real / seq, trained_share=trained / seq) if real and seq else {}   # of the positions computed
+    return dict(steps=self.step, final_loss=self.metrics[-1]["loss"] if self.metrics else None, **shares,
                 tokens_per_second=seq / secs if secs else None, trained_tokens_per_second=trained / secs if secs else None,
                 train_seconds=secs, peak_memory_bytes=peak, peak_memory_measured_by=how,
                 trainable_params=self.n_trainable, total_params=count_params(self.model), method=self.config.method,

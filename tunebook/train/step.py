@@ -156,6 +156,8 @@ def train_step(self: Trainer) -> dict:
         backward = lambda l: scale(dp_loss(l, n_local)).backward()   # FSDP averages gradients: scale to the global mean
     oib = c.optimizer_in_backward
     counts = [(b["labels"] != IGNORE_INDEX).sum() for b in batches if "labels" in b]
+    reals = [b["attn_mask"].sum() if "attn_mask" in b else (b["doc_ids"] >= 0).sum() if "doc_ids" in b   # not padding
+             else b["tokens"].numel() for b in batches if "tokens" in b]
     with tracker if tracker is not None else contextlib.nullcontext():
         step_micro_batches(batches, loss_of, max(n_local, 1), None if tracker is None else (lambda p: setattr(tracker, "phase", p)),
                            self.forward_context, backward)
@@ -164,8 +166,8 @@ def train_step(self: Trainer) -> dict:
             if self.scaler is not None: self.scaler.unscale_(self.optimizer)
             norm = self.clip_grads()
         keys = list(acc)   # one transfer: the loss sums, the stats, the gradient norm and the token counts
-        host_sums, host_norm, host_counts, *host_stats = _fetch(sums, [] if norm is None else [norm], counts,
-                                                               *(acc[k][0] for k in keys))
+        host_sums, host_norm, host_counts, host_reals, *host_stats = _fetch(sums, [] if norm is None else [norm], counts,
+                                                                           reals, *(acc[k][0] for k in keys))
         total = sum(host_sums)
         if self.world > 1:
             from tunebook.distributed import global_mean
@@ -186,7 +188,8 @@ def train_step(self: Trainer) -> dict:
     row = dict(step=self.step, **({"epoch": round(min(self.step * c.grad_accum_steps, self.micro_limit or math.inf) / self.n_batches, 3)}
                                   if self.n_batches else {}),
                loss=loss, lr=lr, grad_norm=grad_norm, tokens=sum(int(n) for n in host_counts) * self.world,
-               seq_tokens=sum(int(b["tokens"].numel()) for b in batches if "tokens" in b) * self.world, seconds=seconds,
+               seq_tokens=sum(int(b["tokens"].numel()) for b in batches if "tokens" in b) * self.world,
+               **({"real_tokens": sum(int(n) for n in host_reals) * self.world} if host_reals else {}), seconds=seconds,
                **_mean_stats(_reduce_stats(acc, dict(zip(keys, host_stats))), self.world))
     if tracker is not None:
         row.update(peak_bytes=tracker.peak, peak_phase=tracker.peak_phase,
