@@ -403,3 +403,17 @@ def test_a_small_moe_learns_and_the_balancing_loss_spreads_the_load(tmp_path):
         shares[coef] = max((torch.bincount(b.router_logits.topk(MOE["num_experts_per_tok"], -1).indices.flatten(), minlength=8)
                             .float() / b.router_logits.shape[0] / MOE["num_experts_per_tok"]).max().item() for b in moe_blocks(tr.model))
     assert shares[0.05] <= 1 / 3 and shares[0.05] < shares[0.0], shares
+
+
+def test_estimate_reports_held_and_active_parameters(tmp_path):
+    """The memory estimate of an MoE folder says how many parameters are held and how many one token uses (transformers'
+    count minus the k-of-E experts not chosen); a dense model's has no active count."""
+    from tunebook.memory import estimate
+    hf = moe_model("raw-topk")
+    hf.save_pretrained(tmp_path / "moe")
+    r = estimate(tmp_path / "moe", method="full", seq_len=8, dtype="fp32")
+    n_hf = sum(p.numel() for p in hf.parameters())
+    experts = sum(p.numel() for n, p in hf.named_parameters() if ".mlp.experts." in n)
+    E, k = hf.config.num_experts, hf.config.num_experts_per_tok
+    assert r.settings["params"] == n_hf and r.settings["active_params"] == n_hf - experts // E * (E - k)
+    assert "active_params" not in estimate("pico", method="full", seq_len=8, dtype="fp32").settings

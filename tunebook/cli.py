@@ -159,6 +159,8 @@ def _estimate(args) -> int:
     ranks = f", per rank over {cfg.nproc} processes" if cfg.nproc > 1 else ""
     print(f"{cfg.model}, {cfg.method}, batch {cfg.batch_size} x {cfg.max_seq_len}, {cfg.dtype}{ranks}: peak {human_bytes(r.peak_bytes)} "
           f"(in {r.peak_phase}); {r.how}")
+    if "active_params" in r.settings:   # a mixture of experts: every expert is held, k of them used per token
+        print(f"  parameters: {r.settings['params']:,} held, {r.settings['active_params']:,} active per token")
     for k, v in r.categories.items():
         if v: print(f"  {k:14s} {human_bytes(v):>12s}")
     if r.error is not None:

@@ -18,6 +18,7 @@ from .formulas import fsdp_memory
 from .profile import profile_step
 from .tracker import MemoryReport
 from ..model import BUILDERS, ModelConfig, build_model, get_config
+from ..moe import count_active_params
 
 # %% auto #0
 __all__ = ['METHODS', 'DTYPES', 'resolve_config', 'estimate', 'estimate_table']
@@ -99,6 +100,7 @@ def estimate(model: str | Path | ModelConfig = "llama3.1-8b", # builder name, lo
         report = profile_step(m, **step, how="estimated: the training step run under FakeTensorMode on CPU "
                                              "kernels (no memory allocated), lean tracker")
         n_params, n_train = count_params(m), count_params(m, trainable_only=True)
+        n_active = count_active_params(m) if cfg.n_experts else n_params   # an MoE token uses k of each layer's experts
         adapted = sorted({k.rsplit(".", 1)[-1] for k in lora_modules(m)}   # the targets as applied
                          | {f"experts.{p}" for e in expert_lora_modules(m).values() for p in e.adapters})
         if nproc > 1:
@@ -108,6 +110,7 @@ def estimate(model: str | Path | ModelConfig = "llama3.1-8b", # builder name, lo
     del m
     report.seconds = time.perf_counter() - t0
     report.settings.update(model=name, method=method, dtype=dtype, params=n_params, trainable_params=n_train, nproc=nproc,
+                           **({"active_params": n_active} if n_active != n_params else {}),
                            **({"lora_rank": lora_rank, "lora_alpha": lora_alpha, "lora_targets": adapted}
                               if method != "full" else {}))
     if measure:
