@@ -370,3 +370,19 @@ def test_lab_hidden_cells_display_nothing():
         assert not shows, f"hidden cell {c.get('id')} ends in an expression that displays its value:\n{src}"
         for o in c.get("outputs", []):
             assert "application/vnd.jupyter.widget-view+json" not in o.get("data", {}), f"hidden cell {c.get('id')} shows a widget"
+
+
+def test_lab_shows_parameters_held_and_active_for_an_moe():
+    """The lab says how many parameters a model holds and, for a mixture of experts, how many one token uses: the rough
+    formula's counts equal the model's (transformers' counts are checked against the same in test_moe.py)."""
+    from tunebook.lora import apply_lora
+    from tunebook.model import build_model
+    from tunebook.moe import count_active_params
+    lab = AblationLab(background=False, rough=True, model="qwen3-30b-a3b")
+    m = build_model("qwen3-30b-a3b", device="meta")
+    apply_lora(m, rank=16, alpha=32, targets="all-linear")   # the lab's default method, LoRA rank 16
+    held, active = sum(p.numel() for p in m.parameters()), count_active_params(m)
+    assert f"{held / 1e9:.2f}B parameters, {active / 1e9:.2f}B active per token" in lab.numbers.value, lab.numbers.value
+    assert lab.state.report.settings["params"] == held and lab.state.report.settings["active_params"] == active
+    dense = AblationLab(background=False, rough=True, model="pico")
+    assert "B parameters</div>" in dense.numbers.value and "active" not in dense.numbers.value

@@ -302,8 +302,11 @@ def _show(self: AblationLab, state: Ablation):
         self.chart.layout.display = None
         per = f" per GPU of {o['nproc']}" if o.get("nproc", 1) > 1 else ""
         rows = "".join(f"<tr><td>{k}</td><td style='text-align:right'>{human_bytes(v)}</td></tr>" for k, v in r.categories.items())
+        n, a = r.settings.get("params"), r.settings.get("active_params")   # an MoE: every expert held, k used per token
+        size = (f"<div class='tb-ablation-size'>{n / 1e9:.2f}B parameters" + (f", {a / 1e9:.2f}B active per token" if a else "")
+                + "</div>") if n else ""
         said = (f"<div class='tb-ablation-for'>{state.key[0]} &middot; seq len {o.get('seq_len')} &middot; {o.get('method')}, "
-                f"{o.get('dtype')} &middot; batch {o.get('batch_size')}{' &middot; computing…' if state.preview else ''}</div>")
+                f"{o.get('dtype')} &middot; batch {o.get('batch_size')}{' &middot; computing…' if state.preview else ''}</div>{size}")
         self.numbers.value = (f"{said}<table>{rows}<tr><td><b>peak{per}</b></td><td><b class='tb-peak'>{human_bytes(r.peak_bytes)}</b></td></tr>"
                               f"</table>fits: {', '.join(fits(r)) or 'none of ' + ', '.join(GPU_GIB)}")
         self.message.value = f"{r.how} &middot; {r.seconds:.2f} s"

@@ -186,6 +186,9 @@ def rough_estimate(cfg: ModelConfig, method="lora", batch_size=1, seq_len=2048, 
     cats = {"parameters": params / nproc, "gradients": grads / nproc, "optimizer": optim / nproc, "activations": acts,
             "temporaries": logits + (params / L if nproc > 1 else 0)}   # + one gathered block under FSDP
     cats = {k: int(v) for k, v in cats.items()}
+    n_params = total + (trainable if method != "full" else 0)   # adapters included, as the estimator counts them
+    idle = n_moe * (E - (cfg.experts_per_token or 0)) * (3 * d * I + (lora_rank * (2 * d + 3 * I) if lora_experts and method != "full" else 0))
     return MemoryReport(sum(cats.values()), cats, "formula", "rough formula: exact parameter and optimizer bytes, "
                         "approximate activations", settings=dict(method=method, batch_size=batch_size, seq_len=seq_len,
-                                                                 dtype=dtype, nproc=nproc))
+                                                                 dtype=dtype, nproc=nproc, params=n_params,
+                                                                 **({"active_params": n_params - idle} if idle else {})))
