@@ -111,7 +111,8 @@ def data_problems(data, split: str | None = None, subset: str | None = None, str
         if is_hub_name(s["data"]):
             try: check_hub(s["data"], sub, spl, streaming)
             except ValueError as e: bad.append(str(e))
-        elif not os.path.exists(os.path.expanduser(s["data"])): bad.append(f"{s['data']!r}: no such file or folder")
+        elif not os.path.exists(os.path.expanduser(s["data"])):
+            bad.append("no such file or folder" if len(specs) == 1 else f"{s['data']!r}: no such file or folder")
         elif sub is not None: bad.append(f"{s['data']!r} is a local file or folder: it has no subsets; leave --data-subset out")
         elif streaming: bad.append(f"{s['data']!r} is a local file, read whole: --data-streaming reads hub datasets; leave it out")
     return bad
