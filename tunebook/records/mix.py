@@ -77,7 +77,7 @@ def read_source(spec: dict, split: str | None = None, subset: str | None = None,
     "The rows of one source: a local file or folder (`load_records`), or a hub dataset (`hub_records`)."
     split, subset = spec.get("split", split), spec.get("subset", subset)
     if is_hub_name(spec["data"]): return hub_records(spec["data"], subset, split, streaming=streaming)
-    if subset is not None or streaming: raise ValueError(data_problems([spec], split, subset, streaming)[0] + ".")
+    if subset is not None: raise ValueError(data_problems([spec], split, subset)[0] + ".")
     return load_records(spec["data"], split)
 
 def _common(recs: Records, spec: dict, fields: dict) -> tuple[list[dict], str]:
@@ -105,16 +105,17 @@ def data_problems(data, split: str | None = None, subset: str | None = None, str
     "What is wrong with the sources `data` names, found before any model loads: the syntax, a missing file, a hub dataset not cached, its subset or split."
     try: specs = source_specs(data)
     except ValueError as e: return [str(e)]
-    bad = []
-    for s in specs:
-        sub, spl = s.get("subset", subset), s.get("split", split)
+    hub = [is_hub_name(s["data"]) for s in specs]   # --data-subset and --data-streaming apply to the hub sources
+    bad = [] if any(hub) or (subset is None and not streaming) else \
+          [f"{'--data-subset' if subset is not None else '--data-streaming'} applies to hub datasets and no source is one; leave it out"]
+    for s, on_hub in zip(specs, hub):
+        sub, spl = s.get("subset", subset if on_hub else None), s.get("split", split)
         if is_hub_name(s["data"]):
             try: check_hub(s["data"], sub, spl, streaming)
             except ValueError as e: bad.append(str(e))
         elif not os.path.exists(os.path.expanduser(s["data"])):
             bad.append("no such file or folder" if len(specs) == 1 else f"{s['data']!r}: no such file or folder")
-        elif sub is not None: bad.append(f"{s['data']!r} is a local file or folder: it has no subsets; leave --data-subset out")
-        elif streaming: bad.append(f"{s['data']!r} is a local file, read whole: --data-streaming reads hub datasets; leave it out")
+        elif sub is not None: bad.append(f"{s['data']!r} is a local file or folder: it has no subsets; leave its subset out")
     return bad
 
 # %% ../../nbs/04_data.ipynb #4b3cd62a
@@ -127,8 +128,12 @@ def read_data(data,                        # a path or hub name (several separat
              ) -> Records:
     "The rows `data` names: one source as it is, or several mixed in the shares or row counts asked, each read in its own format."
     specs = source_specs(data)
-    if len(specs) == 1 and not {"weight", "rows"} & set(specs[0]): return read_source(specs[0], split, subset, streaming)
-    parts = [read_source(s, split, subset, streaming) for s in specs]
+    if len(specs) == 1 and not {"weight", "rows"} & set(specs[0]):
+        if not is_hub_name(specs[0]["data"]) and (subset is not None or streaming):
+            raise ValueError(data_problems(specs, split, subset, streaming)[0])
+        return read_source(specs[0], split, subset, streaming)
+    if bad := data_problems(specs, split, subset, streaming): raise ValueError(bad[0])
+    parts = [read_source(s, split, subset if is_hub_name(s["data"]) else None, streaming) for s in specs]
     keep = len({tuple(p.column_names) for p in parts}) == 1 and not any(set(s) & {"format", *SPEC_KEYS[-3:]} for s in specs)
     common = [(list(p.rows), _detected(p, fields)) if keep else _common(p, s, fields) for p, s in zip(parts, specs)]
     if not keep and len({_KIND.get(fmt, "conversation") for _, fmt in common}) > 1:
