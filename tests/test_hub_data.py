@@ -57,8 +57,11 @@ def hub(tmp_path_factory):
                        plain / f"{split}-00000-of-00001.parquet")
     jl = root / "jl" / "data"; jl.mkdir(parents=True)
     (jl / "train.jsonl").write_text("".join(json.dumps({"prompt": f"day {i}", "response": f"2024-01-0{i + 1}"}) + "\n" for i in range(6)))
+    prefs = root / "prefs" / "data"; prefs.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist([{"prompt": f"{i}+1=", "chosen": TRICKY[i % 8], "rejected": f"x{i}"} for i in range(20)]),
+                   prefs / "train_prefs-00000-of-00001.parquet")
     snaps = {name: hub_cache.lay_dataset(folder, cache, name) for name, folder in
-             (("acme/sums", sums), ("acme/plain", root / "plain"), ("acme/jl", root / "jl"))}
+             (("acme/sums", sums), ("acme/plain", root / "plain"), ("acme/jl", root / "jl"), ("acme/prefs", root / "prefs"))}
     chat = root / "chat.jsonl"
     chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"echo {i}"},
                                                      {"role": "assistant", "content": TRICKY[i % 8] + f" {i}"}]}) + "\n" for i in range(60)))
@@ -94,6 +97,19 @@ def test_hub_by_name_subset_and_split(offline):
     assert read_data("acme/jl").rows == [json.loads(l) for l in lines]
     inferred = datasets.load_dataset(str(offline["snaps"]["acme/jl"]), split="train")[0]["response"]
     assert not isinstance(inferred, str)   # what exact reading avoids: a timestamp, not the text "2024-01-01"
+
+
+def test_every_objective_reads_a_hub_name(offline):
+    "finetune, distill, DPO, KTO and GRPO read their rows through the one reader (`SourcePart.records`); DPO's pairs by split name."
+    from tunebook.dpo import load_pairs
+    from tunebook.objectives import OBJECTIVES
+    from tunebook.tokenizer import load_tokenizer
+    want = pq.read_table(offline["root"] / "plain" / "data" / "train-00000-of-00001.parquet").to_pylist()
+    for name, spec in OBJECTIVES.items():
+        assert spec.config(data="acme/plain").records().rows == want, name
+    cfg = OBJECTIVES["dpo"].config(data="acme/prefs:train_prefs").validate()
+    train, held, evals, _ = load_pairs(cfg, load_tokenizer(EMBEDDED_DIR))
+    assert sorted(a for _, a, _, _ in held.examples + train.examples) == sorted(TRICKY[i % 8] for i in range(20))
 
 
 def test_streaming_reads_the_slice(offline):
