@@ -154,6 +154,7 @@ def hub_server(offline, monkeypatch):
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Gated)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     monkeypatch.setattr(C, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)   # online for both libraries
     monkeypatch.setattr(C, "ENDPOINT", f"http://127.0.0.1:{srv.server_port}")
     yield srv
     srv.shutdown()

@@ -23,9 +23,14 @@ def is_hub_name(source) -> bool:
 __all__ = ['is_hub_name', 'cached_snapshot', 'hub_snapshot', 'check_hub', 'hub_records']
 
 # %% ../../nbs/04_data.ipynb #dff3b188
+def _offline() -> bool:
+    "Whether the hub may not be asked: HF_HUB_OFFLINE, or datasets' own HF_DATASETS_OFFLINE."
+    from huggingface_hub import constants
+    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_DATASETS_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
 def _not_cached(name: str, hub_cache) -> str:
     return (f"--data {name!r} is neither a local file or folder nor a dataset in the hub cache at {hub_cache}, and the hub "
-            f"is offline (HF_HUB_OFFLINE): download it once with network (`hf download {name} --repo-type dataset`), "
+            f"is offline (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE): download it once with network (`hf download {name} --repo-type dataset`), "
             "or give the path of a local file.")
 
 def cached_snapshot(name: str, revision: str | None = None) -> Path | None:
@@ -41,7 +46,7 @@ def hub_snapshot(name: str,                  # a hub dataset name, ORG/NAME
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
     if (snap := cached_snapshot(name, revision)) is not None: return snap
-    if constants.HF_HUB_OFFLINE: raise ValueError(_not_cached(name, constants.HF_HUB_CACHE))
+    if _offline(): raise ValueError(_not_cached(name, constants.HF_HUB_CACHE))
     try: return Path(snapshot_download(name, repo_type="dataset", revision=revision))
     except GatedRepoError:
         raise ValueError(f"dataset {name!r} is gated on the Hugging Face Hub: accept its terms at "
@@ -98,7 +103,7 @@ def check_hub(name: str, subset: str | None = None, split: str | None = None, st
     from huggingface_hub import constants
     if streaming: _stream_range(name, split)
     if (snap := cached_snapshot(name)) is not None: _split_files(name, snap, subset, split)
-    elif constants.HF_HUB_OFFLINE and _from_datasets_cache(name, subset, re.sub(r"\[.*\]$", "", split or "train")) is None:
+    elif _offline() and _from_datasets_cache(name, subset, re.sub(r"\[.*\]$", "", split or "train")) is None:
         raise ValueError(_not_cached(name, constants.HF_HUB_CACHE))
 
 # %% ../../nbs/04_data.ipynb #cd6921f4
@@ -119,12 +124,12 @@ def hub_records(name: str,                  # a hub dataset name, ORG/NAME
                ) -> Records:
     "The rows of a hub dataset's subset and split, read from its files in the hub cache exactly as written (strings stay strings)."
     from huggingface_hub import constants
-    if streaming and cached_snapshot(name, revision) is None and not constants.HF_HUB_OFFLINE:   # from the hub itself
+    if streaming and cached_snapshot(name, revision) is None and not _offline():   # from the hub itself
         return _stream(name, name, subset, re.sub(r"\[.*\]$", "", split or "train"), split, f"{name!r} split {split!r}")
     try: snap = hub_snapshot(name, revision)
     except ValueError:
         base = re.sub(r"\[.*\]$", "", split or "train")
-        ds = _from_datasets_cache(name, subset, base) if constants.HF_HUB_OFFLINE else None
+        ds = _from_datasets_cache(name, subset, base) if _offline() else None
         if ds is None: raise
         label = f"{name!r} (datasets cache) split {base!r}"
         return Records(*_slice(split, ds.to_list(), [f"{label} row {i}" for i in range(len(ds))], label), label)
