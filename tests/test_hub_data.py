@@ -9,7 +9,6 @@ import http.server
 import importlib.util
 import json
 import os
-import random
 import subprocess
 import sys
 import threading
@@ -103,7 +102,6 @@ def test_every_objective_reads_a_hub_name(offline):
     "finetune, distill, DPO, KTO and GRPO read their rows through the one reader (`SourcePart.records`); DPO's pairs by split name."
     from tunebook.dpo import load_pairs
     from tunebook.objectives import OBJECTIVES
-    from tunebook.tokenizer import load_tokenizer
     want = pq.read_table(offline["root"] / "plain" / "data" / "train-00000-of-00001.parquet").to_pylist()
     for name, spec in OBJECTIVES.items():
         assert spec.config(data="acme/plain").records().rows == want, name
