@@ -192,6 +192,9 @@ SHARED = {
     "data": lambda env: (str(env / "d.jsonl"), lambda t, d: _evals(t)[0]["messages"][-1]["content"].startswith("reverse ")
                          and len(_rows(t)) != len(_rows(d))),
     "task": lambda env: ("copy", lambda t, d: _evals(t)[0]["messages"][-1]["content"].startswith("copy")),
+    # a hub dataset's subset and streaming: refused without --data ORG/NAME here (tests/test_hub_data.py trains both from a hub cache)
+    "data_subset": lambda env: ("main", "a subset belongs to a hub dataset; give --data ORG/NAME"),
+    "data_streaming": lambda env: (None, "streaming reads a hub dataset; give --data ORG/NAME"),
     "data_split": lambda env: ("few", lambda t, d: len(_rows(t)) < len(_rows(d))),   # the folder's "few" split, not its "train"
     "n_train": lambda env: ("16", lambda t, d: len(_rows(t)) == 16 != len(_rows(d))),
     "system_prompt": lambda env: ("Be terse.", lambda t, d: _evals(t)[0]["messages"][0] == {"role": "system", "content": "Be terse."}),

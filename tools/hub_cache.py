@@ -33,12 +33,20 @@ def cached(hub_cache: Path, repo: str = REPO) -> Path | None:
     return snap if (snap / "config.json").exists() and any(snap.glob("*.safetensors")) else None
 
 
-def lay(folder: Path, hub_cache: Path, repo: str = REPO) -> Path:
+def lay_dataset(folder: Path, hub_cache: Path, repo: str) -> Path:
+    """Lay the dataset repo `folder` (its files and subfolders: README.md, data/train-*.parquet, ...) into `hub_cache` as the
+    dataset `repo`, as huggingface_hub lays a download out (blobs, a snapshot of links, refs/main); returns the snapshot."""
+    return lay(folder, hub_cache, repo, kind="datasets")
+
+
+def lay(folder: Path, hub_cache: Path, repo: str = REPO, kind: str = "models") -> Path:
     "Lay the model folder `folder` into `hub_cache` as `repo` at a commit named by its files' hash; returns the snapshot."
-    files = sorted(p for p in Path(folder).iterdir() if p.is_file())
+    folder = Path(folder)
+    files = sorted(p for p in (Path(folder).iterdir() if kind == "models" else Path(folder).rglob("*")) if p.is_file())
     digests = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}   # each file read once (the weights are 0.5 GB)
-    commit = hashlib.sha1("".join(digests.values()).encode()).hexdigest()
-    base = repo_dir(hub_cache, repo)
+    names = [str(p.relative_to(folder)) for p in files] if kind != "models" else []   # a dataset's paths are part of its content
+    commit = hashlib.sha1("".join(names + list(digests.values())).encode()).hexdigest()
+    base = Path(hub_cache) / (f"{kind}--" + repo.replace("/", "--"))
     (base / "blobs").mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=base, prefix=".snap-", ignore_cleanup_errors=True) as tmp:   # the snapshot appears whole, or not at all
         for p in files:
@@ -46,7 +54,9 @@ def lay(folder: Path, hub_cache: Path, repo: str = REPO) -> Path:
             if not blob.exists():
                 part = blob.with_name(blob.name + ".incomplete")
                 shutil.copyfile(p, part); os.replace(part, blob)
-            (Path(tmp) / p.name).symlink_to(os.path.relpath(blob, base / "snapshots" / commit))
+            link = Path(tmp) / p.relative_to(folder)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(os.path.relpath(blob, (base / "snapshots" / commit / p.relative_to(folder)).parent))
         snap = base / "snapshots" / commit
         snap.parent.mkdir(exist_ok=True)
         if not snap.exists(): os.replace(tmp, snap)

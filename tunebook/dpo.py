@@ -120,7 +120,7 @@ def load_pairs(cfg, tokenizer, context: int | None = None):
         held_pairs = PreferenceDataset(held, tokenizer, **kw)
         evals = [dict(messages=m, answer=c, where=w) for m, c, _, w in held_pairs.examples][:cfg.eval_samples]
         return PreferenceDataset(train, tokenizer, **kw), PreferenceDataset(held.select(range(cfg.n_eval_pairs)), tokenizer, **kw), evals, task.check
-    rows = load_records(cfg.data, cfg.data_split)
+    rows = cfg.records()
     n_eval = min(cfg.n_eval_pairs, max(1, int(len(rows) * cfg.eval_fraction)))
     split = rows.train_test_split(test_size=n_eval, seed=cfg.seed, shuffle=True)
     train, held = PreferenceDataset(split["train"], tokenizer, **kw), PreferenceDataset(split["test"], tokenizer, **kw)

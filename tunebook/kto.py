@@ -94,7 +94,7 @@ class KTO(Objective):
             self.eval_pairs = PreferenceDataset(held.select(range(c.n_eval_pairs)), tr.tokenizer, **kw) if self.eval_pairs is None else self.eval_pairs
             evals, check = [dict(messages=m, answer=a, where=w) for m, a, _, w in pairs.examples][:c.eval_samples], check or task.check
         elif self.train_rows is None:
-            rows = load_records(c.data, c.data_split)
+            rows = c.records()
             n_eval = max(1, int(len(rows) * c.eval_fraction))
             split = rows.train_test_split(test_size=n_eval, seed=c.seed, shuffle=True)
             kw.update(completion_field=c.completion_field, label_field=c.label_field)

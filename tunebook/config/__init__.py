@@ -19,7 +19,7 @@ from ..core import flag, get_device
 from ..precision import PRECISIONS, resolve_precision
 from ..loggers import LOGGERS
 from ..optim import SCHEDULES, in_backward_problems
-from ..records import FORMATS
+from ..records import FORMATS, data_problems, read_data
 
 # %% auto #0
 __all__ = ['TUNED', 'SUMMARY_NAMES', 'REAL_MIN_WIDTH', 'recipe_name', 'Part', 'ModelPart', 'SourcePart', 'SFTDataPart',
@@ -86,7 +86,7 @@ class Part:
             if v is None and optional: continue
             ok = {"int": isinstance(v, int) and not isinstance(v, bool),
                   "float": isinstance(v, (int, float)) and not isinstance(v, bool),
-                  "bool": isinstance(v, bool), "str": isinstance(v, str),
+                  "bool": isinstance(v, bool), "str": isinstance(v, str) or ("list" in str(f.type) and isinstance(v, list)),
                   "tuple": isinstance(v, (tuple, list)) and all(isinstance(x, str) for x in v)}.get(kind, True)
             if not ok: bad.append(_type_problem(f, v, kind, optional))
         return bad
@@ -163,8 +163,10 @@ class ModelPart(Part):
 @dataclass
 class SourcePart(Part):
     "The data source: a file or a synthetic task, prompts, the held-out share, sequence length."
-    data: str | None = None              # a local .json/.jsonl/.csv/.parquet/.arrow file or a datasets save_to_disk folder; None: a synthetic task
-    data_split: str | None = None        # a saved DatasetDict's split to read (None: train, or its only split); a file: train or a slice (train[:100])
+    data: str | list | None = None       # a local .json/.jsonl/.csv/.parquet/.arrow file, a save_to_disk folder or a hub dataset ORG/NAME[:SPLIT]; a mixture: sources separated by commas, each PATH_OR_NAME[:SUBSET][:SPLIT][:SHARE] with SHARE 0.3 or 30% (a share) or 300 (rows), e.g. chat.jsonl:0.7,ORG/NAME:train:0.3 (YAML: a list); None: a synthetic task
+    data_split: str | None = None        # the split to read (None: train, or its only split), optionally sliced (train[:100])
+    data_subset: str | None = None       # a hub dataset's subset (config), e.g. main for openai/gsm8k
+    data_streaming: bool = False         # hub datasets: read lazily only the rows of the split's slice (--data-split 'train[:10000]')
     task: str | None = None              # synthetic task (default: the embedded model's fine-tune task)
     prompt_field: str = "prompt"         # instruct format: the column holding the prompt
     system_prompt: str | None = None     # a system turn put before every prompt
@@ -176,9 +178,17 @@ class SourcePart(Part):
         bad, o = [], self.opt
         if self.max_seq_len is not None and self.max_seq_len < 1: bad.append(f"{o('max_seq_len')} must be >= 1")
         if not 0 <= self.eval_fraction < 1: bad.append(f"{o('eval_fraction')} must be in [0, 1)")
-        if isinstance(self.data, str) and not os.path.exists(os.path.expanduser(self.data)):   # found before any folder or model
-            bad.append(f"{o('data')}: no such file or folder")
+        if self.data is not None:   # a missing file, subset or split is found before any folder or model
+            bad += [f"{o('data')}: {p}" for p in data_problems(self.data, self.data_split, self.data_subset, self.data_streaming)]
+        else:   # no data: a synthetic task has no subset and nothing to stream
+            if self.data_subset is not None: bad.append(f"{o('data_subset')}: a subset belongs to a hub dataset; give --data ORG/NAME")
+            if self.data_streaming: bad.append(f"{o('data_streaming')}: streaming reads a hub dataset; give --data ORG/NAME")
         return bad + super().problems()
+
+    def records(self):
+        "The rows this config's data names, read once (`tunebook.records.read_data`): a file, a hub dataset or a mixture."
+        fields = {k: getattr(self, k) for k in ("prompt_field", "response_field", "messages_field") if hasattr(self, k)}
+        return read_data(self.data, self.data_split, self.data_subset, self.data_streaming, seed=getattr(self, "seed", 0), **fields)
 
 @dataclass
 class SFTDataPart(Part):

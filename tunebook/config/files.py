@@ -105,7 +105,7 @@ def check_value(key: str, value, ann):
         if isinstance(value, (list, tuple)) and all(isinstance(x, str) for x in value): return tuple(value)
         raise TypeError(f"{key} must be a list of names ([q_proj, v_proj]) or a comma-separated string, not {value!r}")
     if kind == "str":
-        if isinstance(value, str): return value
+        if isinstance(value, str) or ("list" in str(ann) and isinstance(value, list)): return value
         raise TypeError(f"{key} must be text, not {type(value).__name__} {value!r}: quote it ('{value}')")
     return value
 

@@ -35,7 +35,7 @@ def prompt_rows(cfg: GRPOConfig, tokenizer, task: str | None, context: int | Non
         evals = [as_row(r, "prompt", "answer") for r in make_task(task, c.eval_samples, seed=c.seed, split="eval")]
     else:
         from tunebook.records import load_records
-        recs = load_records(c.data, c.data_split)
+        recs = c.records()   # a file, a hub dataset or a mixture (`SourcePart.records`)
         for i, r in enumerate(recs):
             if missing := [k for k in (c.prompt_field, c.answer_field) if k not in r]:
                 raise ValueError(f"{c.data}: row {i} has no {' or '.join(map(repr, missing))} column (it has {sorted(r)}); "

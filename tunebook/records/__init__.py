@@ -8,3 +8,5 @@ __all__ = []
 # %% ../../nbs/04_data.ipynb #18e465cf
 from .read import *
 from .formats import *
+from .hub import *
+from .mix import *

@@ -115,7 +115,7 @@ def split_data(cfg: TrainConfig, tokenizer, context: int | None = None, **sft_op
                       where=f"{task.name} eval row {i}") for i, r in enumerate(held)]
         train = SFTDataset(train, tokenizer, **kw)
         return DataSplit(train, evals, task.check, _held_out(held, tokenizer, train, kw) if len(held) else None)
-    rows = load_records(cfg.data, cfg.data_split)
+    rows = cfg.records()
     n_eval = min(cfg.eval_samples, int(len(rows) * cfg.eval_fraction))
     # the held-out rows as the data layer renders them (system prompt, chat turns; rows with no answer are skipped)
     train, evals = sft_split(rows, tokenizer, eval_samples=n_eval, seed=cfg.seed, **kw)
