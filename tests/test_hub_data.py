@@ -240,3 +240,21 @@ def test_cli_finetune_mixture_by_name(offline, tmp_path):
                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert bad.returncode != 0 and "choose one with --data-subset NAME" in bad.stderr and "Traceback" not in bad.stderr
     assert not (tmp_path / "r2").exists()   # refused before any work
+
+
+def test_a_task_beside_data_is_said_not_dropped(tmp_path):
+    """--task with --data: the rows come from the data, and the run says the task is not used (GRPO's task checks the rows,
+    so it says nothing there)."""
+    import warnings
+    from tunebook.grpo import GRPOConfig
+    from tunebook.train import TrainConfig
+    f = tmp_path / "rows.jsonl"
+    f.write_text('{"prompt": "a", "response": "b"}\n')
+    with pytest.warns(UserWarning, match=r"--task reverse is not used: it chooses a synthetic task, and the rows come from --data"):
+        TrainConfig(data=str(f), task="reverse", output_dir=str(tmp_path / "o")).records()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TrainConfig(data=str(f), output_dir=str(tmp_path / "o")).records()
+        g = tmp_path / "q.jsonl"
+        g.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+        GRPOConfig(data=str(g), task="add", output_dir=str(tmp_path / "g")).records()

@@ -185,8 +185,14 @@ class SourcePart(Part):
             if self.data_streaming: bad.append(f"{o('data_streaming')}: streaming reads a hub dataset; give --data ORG/NAME")
         return bad + super().problems()
 
+    _task_with_data: typing.ClassVar[bool] = False   # True where a task still acts beside --data (GRPO: its answer checker)
+
     def records(self):
         "The rows this config's data names, read once (`tunebook.records.read_data`): a file, a hub dataset or a mixture."
+        if getattr(self, "task", None) is not None and not self._task_with_data:   # said, never silently dropped
+            import warnings
+            warnings.warn(f"{flag('task')} {self.task} is not used: it chooses a synthetic task, and the rows come from "
+                          f"{flag('data')} {self.data}", stacklevel=2)
         fields = {k: getattr(self, k) for k in ("prompt_field", "response_field", "messages_field") if hasattr(self, k)}
         return read_data(self.data, self.data_split, self.data_subset, self.data_streaming, seed=getattr(self, "seed", 0), **fields)
 

@@ -78,6 +78,7 @@ class GRPOPart(Part):
 @dataclass
 class GRPOConfig(ModelPart, SourcePart, AdapterPart, StepPart, MemoryPart, RunPart, GRPOPart):
     "A GRPO run: model, prompt source, adapter, optimisation, memory and run parts, plus GRPO's own."
+    _task_with_data: typing.ClassVar[bool] = True   # with --data, the task's checker scores the rows
     task: str | None = None            # synthetic task whose prompts and checker drive the run (None: add, which the embedded model solves ~45%, so rewards vary within groups); with --data, its checker scores the file's rows (None: exact match on --answer-field)
     lr: float | None = None            # AdamW's peak learning rate; None: the recipe's for the model and method (embedded 5e-4: 2e-3 lowered its held-out reward; a real model: LoRA 3e-4, full 1.5e-5), reported in the log
     max_steps: int = 300               # ~35 s on 2 cores: held-out reward 0.50 -> 0.58 (100 steps: 0.55)
