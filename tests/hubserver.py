@@ -21,6 +21,29 @@ def git_blob_sha1(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
+# the model card metadata keys the hub documents (hub-docs modelcard.md) and the base_model relations it knows
+CARD_KEYS = {"language", "license", "license_name", "license_link", "library_name", "tags", "datasets", "metrics", "base_model",
+             "base_model_relation", "pipeline_tag", "model-index", "new_version", "thumbnail", "inference", "widget"}
+RELATIONS = {"adapter", "merge", "quantized", "finetune"}
+
+
+def card_errors(content: str) -> list[str]:
+    """What /api/validate-yaml answers about a README.md, judged offline: the YAML header parsed by huggingface_hub's own
+    ModelCard (model-index through its EvalResult conversion, which raises on a malformed one), then the keys and types
+    the hub documents."""
+    from huggingface_hub import ModelCard
+    try: meta = ModelCard(content).data.to_dict()
+    except Exception as e: return [f"metadata does not parse: {e}"]
+    errs = [f"unknown metadata key {k!r}" for k in meta if k not in CARD_KEYS]
+    for k in ("tags", "datasets", "metrics"):
+        if k in meta and not (isinstance(meta[k], list) and all(isinstance(x, str) for x in meta[k])): errs.append(f"{k} must be a list of strings")
+    for k in ("license", "library_name", "pipeline_tag", "base_model_relation"):
+        if k in meta and not isinstance(meta[k], str): errs.append(f"{k} must be a string")
+    if "base_model_relation" in meta and meta["base_model_relation"] not in RELATIONS: errs.append("unknown base_model_relation")
+    if "base_model_relation" in meta and "base_model" not in meta: errs.append("base_model_relation without base_model")
+    return errs
+
+
 class Hub:
     "The endpoint's state: repos (visibility, branches, commits) and the LFS object store, with a log of requests."
     def __init__(self, tokens: dict[str, str], orgs: dict[str, set] | None = None):
@@ -61,6 +84,11 @@ class Handler(BaseHTTPRequestHandler):
         self._send(code, {"error": msg}, h, head_only)
 
     def _body(self) -> bytes:
+        "The request's body, read once (all of it, even when a route ignores it: the connection is kept alive)."
+        if getattr(self, "_read", None) is None: self._read = self._read_body()
+        return self._read
+
+    def _read_body(self) -> bytes:
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
             out = b""
             while True:
@@ -90,6 +118,8 @@ class Handler(BaseHTTPRequestHandler):
         u = urlparse(self.path)
         parts, q = [unquote(p) for p in u.path.strip("/").split("/")], parse_qs(u.query)
         with self.hub.lock: self.hub.log.append((method, u.path))
+        self._read = None
+        if method in ("POST", "PUT"): self._body()
         try:
             return self._dispatch(method, parts, q)
         except Exception as e:   # a bug of this server: say so to the client, loudly
@@ -104,6 +134,10 @@ class Handler(BaseHTTPRequestHandler):
     # ---------------------------------------------------------------- the API
     def _dispatch(self, method, parts, q):
         hub = self.hub
+        if parts[:2] == ["api", "validate-yaml"] and method == "POST":
+            p = json.loads(self._body())
+            errs = card_errors(p["content"]) if p.get("repoType", "model") == "model" else ["this test hub holds model repos only"]
+            return self._send(400, {"errors": [{"message": e} for e in errs]}) if errs else self._send(200, {"warnings": []})
         if parts[:2] == ["api", "whoami-v2"]:
             user = self._user()
             if not user: return self._error(401, "Invalid credentials in Authorization header")
@@ -116,7 +150,9 @@ class Handler(BaseHTTPRequestHandler):
             if p.get("type", "model") != "model": return self._error(400, "this test hub holds model repos only")
             if not hub.can_write(user, repo_id): return self._error(403, f"You don't have the rights to create a repo under {repo_id.split('/')[0]}")
             with hub.lock:
-                if repo_id in hub.repos: return self._error(409, "You already created this model repo", head_only=False)
+                if repo_id in hub.repos:   # the hub's 409 names the repo's url, which create_repo(exist_ok=True) returns
+                    return self._send(409, {"error": "You already created this model repo", "url": f"{self.base}/{repo_id}"},
+                                      {"X-Error-Message": "You already created this model repo"})
                 hub.repos[repo_id] = dict(private=p.get("visibility") == "private", branches={"main": "0" * 40},
                                           commits={"0" * 40: {}})
             return self._send(200, {"url": f"{self.base}/{repo_id}", "name": repo_id, "id": repo_id})
