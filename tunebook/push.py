@@ -86,6 +86,9 @@ def push(run, repo_id: str, private: bool = False, revision: str | None = None, 
 def push_main(argv=None) -> int:
     "`tunebook push RUN ORG/NAME [--private] [--revision B] [--token T] [--merged]`: the exit status."
     a = push_parser().parse_args(argv)
+    for flag, v in (("--revision", a.revision), ("--token", a.token)):
+        if v is not None and not v.strip():
+            print(f"tunebook push: error: {flag} is empty; give a value, or leave the flag out", file=sys.stderr); return 2
     from huggingface_hub import constants
     from huggingface_hub.errors import HfHubHTTPError
     try:
