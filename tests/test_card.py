@@ -134,3 +134,18 @@ def test_card_for_a_repo_names_the_repo(runs):
     config, summary, _ = _read(runs["lora"])
     text = str(model_card(config, summary, repo_id="me/reverse-lora"))
     assert "PeftModel.from_pretrained(base, 'me/reverse-lora')" in text and ModelCard(text).data.model_name == "reverse-lora"
+
+
+def test_lm_eval_scores_join_the_card(runs):
+    "--eval-tasks adds lm-evaluation-harness scores to summary.json; the card carries them as EvalResults, stderr left out."
+    sys.path.insert(0, os.path.dirname(__file__))
+    from hubserver import card_errors
+    from tunebook.card import model_card
+    config, summary, _ = _read(runs["lora"])
+    summary |= {"lm_eval_before": {"arc_easy": {"acc,none": 0.25, "acc_stderr,none": 0.01}},
+                "lm_eval_after": {"arc_easy": {"acc,none": 0.3125, "acc_stderr,none": 0.01, "acc_norm,none": 0.375}}}
+    text = str(model_card(config, summary))
+    _, results = model_index_to_eval_results(ModelCard(text).data.to_dict()["model-index"])
+    lm = {(r.dataset_type, r.metric_name): r.metric_value for r in results if r.source_name == "lm-evaluation-harness"}
+    assert lm == {("arc_easy", "acc,none"): 0.3125, ("arc_easy", "acc_norm,none"): 0.375}
+    assert "| arc_easy | acc,none | 0.25 | 0.3125 |" in text and card_errors(text) == []

@@ -12,7 +12,7 @@ from .tasks import FINETUNE_TASK
 
 
 # %% auto #0
-__all__ = ['OBJECTIVE_NAMES', 'on_hub', 'base_model', 'data_line', 'metric_rows', 'usage', 'model_card']
+__all__ = ['OBJECTIVE_NAMES', 'on_hub', 'base_model', 'data_line', 'metric_rows', 'lm_eval_rows', 'usage', 'model_card']
 
 # %% ../nbs/11_training_loop.ipynb #255e2b3e
 OBJECTIVE_NAMES = {"sft": "supervised fine-tuning (SFT)", "dpo": "direct preference optimization (DPO)",
@@ -49,6 +49,11 @@ def metric_rows(summary: dict) -> list[tuple[str, float | None, float]]:
     lead = summary.get("lead_metric")
     names.sort(key=lambda n: n != lead)
     return [(n, summary.get(f"{n}_before") if num(summary.get(f"{n}_before")) else None, summary[f"{n}_after"]) for n in names]
+
+def lm_eval_rows(summary: dict) -> list[tuple[str, str, float | None, float]]:
+    "(task, metric, before, after) of the lm-evaluation-harness scores in the summary (`--eval-tasks`), standard errors left out."
+    before, after = summary.get("lm_eval_before") or {}, summary.get("lm_eval_after") or {}
+    return [(t, m, (before.get(t) or {}).get(m), v) for t, ms in after.items() for m, v in ms.items() if "stderr" not in m]
 
 
 # %% ../nbs/11_training_loop.ipynb #8208820d
@@ -100,6 +105,9 @@ def model_card(config: dict,          # the run's options (the run folder's conf
     results = [EvalResult(task_type="text-generation", dataset_type=datasets[0] if datasets else f"tunebook/{task}",
                           dataset_name=data_text.split(" (sha256")[0].replace("`", ""), metric_type=m, metric_value=after,
                           metric_name=f"{m} (held out, after training)") for m, _, after in rows]
+    results += [EvalResult(task_type="text-generation", dataset_type=t, dataset_name=t, metric_type=m.split(",")[0], metric_name=m,
+                           metric_value=after, source_name="lm-evaluation-harness",
+                           source_url="https://github.com/EleutherAI/lm-evaluation-harness") for t, m, _, after in lm_eval_rows(summary)]
     data = ModelCardData(
         base_model=hub_base, base_model_relation=("adapter" if adapter else "finetune") if hub_base else None,
         license="apache-2.0" if config.get("model") == "embedded" else None,   # the embedded model is tunebook's own
@@ -119,6 +127,8 @@ def model_card(config: dict,          # the run's options (the run folder's conf
             + "".join(f"| `{k}` | `{v}` |\n" for k, v in opts)
             + "\n## Results\n\nHeld-out metrics of the base model (before) and of this model (after), from the run's `summary.json`:\n\n"
             "| metric | before | after |\n|---|---|---|\n" + "".join(f"| {m} | {_fmt(b)} | {_fmt(a)} |\n" for m, b, a in rows)
+            + ("\nlm-evaluation-harness scores of the base model and of this model:\n\n| task | metric | before | after |\n|---|---|---|---|\n"
+               + "".join(f"| {t} | {m} | {_fmt(b)} | {_fmt(a)} |\n" for t, m, b, a in lm_eval_rows(summary)) if lm_eval_rows(summary) else "")
             + "\n![training loss per step](loss.png)\n\n## Usage\n\n" + usage(config, summary, where, adapter))
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")
 

@@ -138,6 +138,10 @@ def _lm_eval_run(cfg, args) -> dict:
     tmp = path.with_name(".summary.json.tmp")
     tmp.write_text(json.dumps(summary, indent=2, default=str))
     os.replace(tmp, path)
+    from tunebook.card import model_card   # the model card shows the scores too
+    from tunebook.rundir import write_atomic
+    out = Path(cfg.output_dir)
+    write_atomic(out / "README.md", str(model_card(json.loads((out / "config.json").read_text()), summary, adapter=(out / "adapter").is_dir())))
     return added
 
 # %% ../nbs/A1_tools.ipynb #85736e93

@@ -134,7 +134,7 @@ def _stage_outputs(self: Trainer, stage: Path, last: Path | None):
         for name in names:
             if (src / name).is_file(): shutil.copyfile(src / name, stage / "model" / name)
     from tunebook.card import model_card
-    (stage / "README.md").write_text(str(model_card(c.to_dict(), self.summary)))   # the model card
+    (stage / "README.md").write_text(str(model_card(c.to_dict(), self.summary, adapter=(stage / "adapter").is_dir())))   # the model card
     (stage / "summary.json").write_text(json.dumps(self.summary, indent=2))
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
