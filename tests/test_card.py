@@ -142,8 +142,9 @@ def test_lm_eval_scores_join_the_card(runs):
     from hubserver import card_errors
     from tunebook.card import model_card
     config, summary, _ = _read(runs["lora"])
-    summary |= {"lm_eval_before": {"arc_easy": {"acc,none": 0.25, "acc_stderr,none": 0.01}},
-                "lm_eval_after": {"arc_easy": {"acc,none": 0.3125, "acc_stderr,none": 0.01, "acc_norm,none": 0.375}}}
+    import numpy as np   # lm_eval's scores are numpy scalars until summary.json is read back
+    summary |= {"lm_eval_before": {"arc_easy": {"acc,none": np.float64(0.25), "acc_stderr,none": 0.01}},
+                "lm_eval_after": {"arc_easy": {"acc,none": np.float32(0.3125), "acc_stderr,none": 0.01, "acc_norm,none": 0.375}}}
     text = str(model_card(config, summary))
     _, results = model_index_to_eval_results(ModelCard(text).data.to_dict()["model-index"])
     lm = {(r.dataset_type, r.metric_name): r.metric_value for r in results if r.source_name == "lm-evaluation-harness"}

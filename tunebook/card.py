@@ -5,6 +5,7 @@
 # %% ../nbs/11_training_loop.ipynb #b9c57488
 from __future__ import annotations
 
+import numbers
 from pathlib import Path
 
 from .hub import is_hub_name
@@ -44,16 +45,18 @@ def data_line(config: dict, summary: dict) -> tuple[list[str], str]:
 
 def metric_rows(summary: dict) -> list[tuple[str, float | None, float]]:
     "(metric, before, after) for every numeric `X_after` of the summary, the lead metric first."
-    num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    num = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)   # numpy's scalars too; written as plain floats
     names = [k[:-6] for k, v in summary.items() if k.endswith("_after") and num(v)]
     lead = summary.get("lead_metric")
     names.sort(key=lambda n: n != lead)
-    return [(n, summary.get(f"{n}_before") if num(summary.get(f"{n}_before")) else None, summary[f"{n}_after"]) for n in names]
+    return [(n, float(summary[f"{n}_before"]) if num(summary.get(f"{n}_before")) else None, float(summary[f"{n}_after"])) for n in names]
 
 def lm_eval_rows(summary: dict) -> list[tuple[str, str, float | None, float]]:
     "(task, metric, before, after) of the lm-evaluation-harness scores in the summary (`--eval-tasks`), standard errors left out."
     before, after = summary.get("lm_eval_before") or {}, summary.get("lm_eval_after") or {}
-    return [(t, m, (before.get(t) or {}).get(m), v) for t, ms in after.items() for m, v in ms.items() if "stderr" not in m]
+    num = lambda v: float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else None   # numpy scalars as plain floats
+    return [(t, m, num((before.get(t) or {}).get(m)), num(v)) for t, ms in after.items() for m, v in ms.items()
+            if "stderr" not in m and num(v) is not None]
 
 
 # %% ../nbs/11_training_loop.ipynb #8208820d
