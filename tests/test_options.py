@@ -25,7 +25,7 @@ from tunebook.tokenizer import train_tokenizer
 
 LM_TASKS = []   # filled by the env fixture
 COMMANDS = commands()   # every objective's subcommand (the table of objectives), estimate and compare
-PASSTHROUGH = ("generate", "chat", "eval")   # their own parsers (tunebook.chat, tunebook.lmeval) and tests (test_chat, test_lmeval)
+PASSTHROUGH = ("generate", "chat", "eval", "push")   # their own parsers (tunebook.chat, tunebook.lmeval, tunebook.push) and tests (test_chat, test_lmeval, test_push)
 
 
 def _sub(cmd):

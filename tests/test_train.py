@@ -75,7 +75,7 @@ def test_run_folder(tok, tmp_path):
     t = _trainer(tok, tmp_path / "run", method="lora", max_steps=3)
     s = t.fit(progress=False)
     names = sorted(p.name for p in (tmp_path / "run").iterdir())
-    assert names == ["adapter", "checkpoints", "config.json", "config.yaml", "log.txt", "loss.png", "metrics.csv", "model", "samples.jsonl", "summary.json"]
+    assert names == ["README.md", "adapter", "checkpoints", "config.json", "config.yaml", "log.txt", "loss.png", "metrics.csv", "model", "samples.jsonl", "summary.json"]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     for k in ("eval_accuracy_before", "eval_accuracy_after", "tokens_per_second", "peak_memory_bytes"):
         assert summary[k] is not None

@@ -32,7 +32,7 @@ def claim_output(self: Trainer):
     gone = clean_leftovers(self.out / "checkpoints") + clean_leftovers(self.out)
     if gone: warn(f"removed {len(gone)} unfinished checkpoint or output folder(s) that a killed run left in {self.out}.")
     new = not self.config.resume and self.step == 0
-    stale = [n for n in ("model", "adapter", "summary.json", "metrics.csv", "loss.png") + (("samples.jsonl",) if new else ())
+    stale = [n for n in ("model", "adapter", "README.md", "summary.json", "metrics.csv", "loss.png") + (("samples.jsonl",) if new else ())
              if (self.out / n).exists()]   # an earlier run's (or this run's before a resume): never served as this run's
     if stale:
         if new or {"model", "adapter"} & set(stale):
@@ -108,7 +108,8 @@ def _fit_owned(self: Trainer, progress: bool, stops: StopRequests | None = None)
     if self.metrics: self.metrics[-1].update(after)
     lead, both = obj.lead_metric(self), {**self.baseline, **{f"{k}_after": v for k, v in after.items()}}
     first = {k: both[k] for k in (f"{lead}_before", f"{lead}_after") if k in both}   # the summary leads with the lead metric
-    self.summary = {**first, **both, "lead_metric": lead, **self.run_stats(), **self.recipe, **obj.summary(self), "status": "ok"}
+    self.summary = {**first, **both, "lead_metric": lead, **self.run_stats(), **self.recipe, **obj.summary(self),
+                    "objective": obj.name, "data_sha256": self.data_sha256, "status": "ok"}
     with stops.saving(): self.write_outputs(last)
     if self.world > 1: dist.barrier()
     for cb in self.callbacks: call_hook(cb, "on_end", self, self.summary)

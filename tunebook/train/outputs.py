@@ -97,12 +97,12 @@ def fail(self: Trainer, msg: str, error: type = NonFiniteError) -> RunError:
 
 @patch
 def write_outputs(self: Trainer, last: Path | None = None):
-    "metrics.csv, loss.png, model/ (HF format), adapter/ (LoRA), summary.json, each whole or absent; `last`: this run's final checkpoint."
+    "metrics.csv, loss.png, model/ (HF format), adapter/ (LoRA), README.md (model card), summary.json, each whole or absent; `last`: this run's final checkpoint."
     if not self.is_main: return
     stage = _atomic_dir(self.out / "outputs")   # .outputs.tmp-*: everything is written here first, then moved into place
     try:
         self._stage_outputs(stage, last)
-        for name in ("metrics.csv", "loss.png", "adapter", "model", "summary.json"):   # summary.json last: its presence means all is there
+        for name in ("metrics.csv", "loss.png", "adapter", "model", "README.md", "summary.json"):   # summary.json last: its presence means all is there
             if (stage / name).is_dir(): publish_dir(stage / name, self.out / name)
             elif (stage / name).exists(): os.replace(stage / name, self.out / name)
     except WRITE_ERRORS as e:
@@ -135,6 +135,8 @@ def _stage_outputs(self: Trainer, stage: Path, last: Path | None):
     for src, names in _source_files(c):   # what the source folder had for inference, as it stored it
         for name in names:
             if (src / name).is_file(): shutil.copyfile(src / name, stage / "model" / name)
+    from tunebook.card import model_card
+    (stage / "README.md").write_text(str(model_card(c.to_dict(), self.summary, adapter=(stage / "adapter").is_dir())))   # the model card
     (stage / "summary.json").write_text(json.dumps(self.summary, indent=2))
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
