@@ -60,7 +60,7 @@ def test_the_clamp_is_reached():
     ex = hf.model.layers[0].mlp.experts
     x = torch.randn(50, 64)
     gu = x @ ex.gate_up_proj[0] + ex.gate_up_proj_bias[0]
-    assert gu.abs().max() > ex.limit
+    assert gu.abs().max() > ex.limit   # transformers: 1.5 here
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -300,3 +300,125 @@ def test_config_errors():
     with pytest.raises(ValueError, match="attn_sinks"): get_config("gpt-oss-20b", attn_sinks=False)
     with pytest.raises(ValueError, match="norm_topk_prob"): get_config("gpt-oss-20b", norm_topk_prob=True)
     with pytest.raises(ValueError, match="gpt_oss's"): get_config("qwen3-0.6b", swiglu_limit=7.0)
+
+
+def _small_oss(vocab, **kw):
+    return get_config("gpt-oss-20b", **{**dict(vocab_size=vocab, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=16,
+                                              moe_hidden_dim=16, n_experts=4, experts_per_token=2, sliding_window=8, max_seq_len=256), **kw})
+
+
+def test_the_training_loop_trains_a_small_gpt_oss_with_the_aux_loss(tmp_path):
+    """tunebook's Trainer, full fine-tune: held-out loss falls, the load-balancing loss (coef 0.9, the published one) is logged
+    every step, and afterwards no expert takes more than 1.5x its even share (k/E) of the held-out tokens' assignments."""
+    from tunebook.data import make_task
+    from tunebook.tokenizer import train_tokenizer
+    from tunebook.train import TrainConfig, Trainer
+    rows = make_task("reverse", 300, seed=0)
+    tok = train_tokenizer([r["prompt"] + " " + r["response"] for r in rows], vocab_size=300)
+    f = tmp_path / "d.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt": f"reverse {w}", "response": w[::-1]})
+                           for w in ["abc", "hello", "tune", "book", "loop", "step", "model", "data"] * 5))
+    torch.manual_seed(0)
+    model = build_model(_small_oss(tok.vocab_size))
+    cfg = TrainConfig(model="given", data=str(f), eval_fraction=0.2, max_seq_len=40, batch_size=8, max_steps=8, eval_every=8,
+                      dtype="fp32", method="full", lr=3e-3, output_dir=str(tmp_path / "run"))
+    t = Trainer(cfg, model=model, tokenizer=tok)
+    s = t.fit(progress=False)
+    assert s["eval_loss_after"] < s["eval_loss_before"] - 0.5, (s["eval_loss_before"], s["eval_loss_after"])
+    aux = [r["router_aux_loss"] for r in t.metrics if "router_aux_loss" in r]
+    assert len(aux) == 8 and all(0.0 < a < 2.0 for a in aux), aux   # coef 0.9 x a loss of k=2 when balanced
+    counts = torch.zeros(4)
+    with torch.no_grad():
+        for r in t.held_out:
+            t.model(torch.tensor([r["tokens"]]))
+            for b in moe_blocks(t.model): counts += torch.bincount(b.router_logits.topk(2, -1)[1].reshape(-1), minlength=4)
+    share = counts / counts.sum()
+    assert share.max().item() <= 1.5 * 2 / 4 / 2, share   # even share of one expert: 1/E = 0.25 of all assignments
+
+
+def test_lora_on_attention_loads_in_peft_both_ways(tmp_path):
+    """apply_lora on q/k/v/o (biased) of gpt-oss: peft 0.18 loads our adapter to logits within 1e-5, and we load peft's."""
+    import peft
+    from tunebook.lora import apply_lora, load_adapter, save_adapter
+    hf = oss_model("yarn-notrunc"); hf.save_pretrained(tmp_path / "base")
+    ours = apply_lora(load_hf(tmp_path / "base"), rank=4, alpha=8, targets=("q_proj", "k_proj", "v_proj", "o_proj")).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if "lora_B" in n: p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    save_adapter(ours, tmp_path / "ad")
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "ad").eval()
+    ids = _tokens(2, 13)
+    with torch.no_grad():
+        assert (ours(ids) - pm(ids).logits).abs().max().item() <= 1e-5
+        assert (ours(ids) - hf(ids).logits).abs().max().item() > 1e-3
+    pm2 = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=3, lora_alpha=5, target_modules=["q_proj", "v_proj", "o_proj"])).eval()
+    with torch.no_grad():
+        for n, p in pm2.named_parameters():
+            if "lora_B" in n: p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    pm2.save_pretrained(tmp_path / "ad2")
+    back = load_adapter(load_hf(tmp_path / "base"), tmp_path / "ad2").eval()
+    with torch.no_grad(): assert (back(ids) - pm2(ids).logits).abs().max().item() <= 1e-5
+
+
+EXPERTS = ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+
+
+@pytest.mark.parametrize("targets, tp", [(("q_proj", "experts"), EXPERTS), (("experts.down_proj",), ["mlp.experts.down_proj"]),
+                                         (("experts.gate_up_proj",), ["mlp.experts.gate_up_proj"])])
+def test_our_expert_adapter_loads_in_peft(tmp_path, targets, tp):
+    """Per-expert LoRA on gpt-oss's stacked gate_up_proj / down_proj: peft 0.18 (target_parameters) gives our logits within 1e-5."""
+    import peft
+    from tunebook.lora import apply_lora, save_adapter
+    hf = oss_model("yarn-notrunc"); hf.save_pretrained(tmp_path / "base")
+    ours = apply_lora(load_hf(tmp_path / "base"), rank=3, alpha=6, targets=targets).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if "lora_B" in n: p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    save_adapter(ours, tmp_path / "ad")
+    assert json.loads((tmp_path / "ad" / "adapter_config.json").read_text())["target_parameters"] == tp
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "ad").eval()
+    ids = _tokens(2, 13)
+    with torch.no_grad():
+        assert (ours(ids) - pm(ids).logits).abs().max().item() <= 1e-5
+        assert (ours(ids) - hf(ids).logits).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("tp", [EXPERTS, ["mlp.experts.down_proj"], ["experts.gate_up_proj"]])
+def test_peft_expert_adapter_loads_in_tunebook_and_merges_exactly(tmp_path, tp):
+    import peft
+    from safetensors.torch import load_file
+    from tunebook.gptoss import GptOssExperts
+    from tunebook.lora import load_adapter, merge_lora, save_adapter, disable_adapters
+    hf = oss_model("yarn-notrunc"); hf.save_pretrained(tmp_path / "base")
+    pm = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=3, lora_alpha=5, target_modules=["k_proj"], target_parameters=tp)).eval()
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n: p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    pm.save_pretrained(tmp_path / "ad")
+    ours = load_adapter(load_hf(tmp_path / "base"), tmp_path / "ad").eval()
+    ids = _tokens(2, 13)
+    with torch.no_grad():
+        lo = ours(ids)
+        assert (lo - pm(ids).logits).abs().max().item() <= 1e-5
+        with disable_adapters(ours): assert (ours(ids) - hf(ids).logits).abs().max().item() <= TOL
+    save_adapter(ours, tmp_path / "again", base_model_name_or_path="x")
+    a, b = load_file(str(tmp_path / "ad" / "adapter_model.safetensors")), load_file(str(tmp_path / "again" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    merged = merge_lora(ours)
+    assert type(merged.layers[0].mlp.experts) is GptOssExperts
+    with torch.no_grad(): assert (merged(ids) - lo).abs().max().item() <= 1e-5
+
+
+def test_expert_lora_trains_and_qlora_of_gpt_oss_experts_is_refused():
+    from tunebook.lora import apply_lora, quantize_base
+    m = apply_lora(build_model(_small_oss(256)), rank=2, targets=("q_proj", "experts"))
+    ids = _tokens(2, 9)
+    (m(ids).logsumexp(-1).mean() + m.router_aux_loss()).backward()
+    ex = m.layers[0].mlp.experts
+    assert ex.lora_gate_up_proj.lora_B.grad.abs().max() > 0 and ex.gate_up_proj.grad is None
+    with pytest.raises(ValueError, match="gpt-oss"): quantize_base(m)
+    m = apply_lora(build_model(_small_oss(256)), rank=2, targets="all-linear")   # attention only: router and experts stay frozen
+    assert not any(p.requires_grad for b in moe_blocks(m) for p in b.parameters())

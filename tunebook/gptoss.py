@@ -78,7 +78,7 @@ class GptOssExperts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(n_experts, 2 * hidden_dim))
         self.down_proj = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.down_proj_bias = nn.Parameter(torch.zeros(n_experts, dim))
-        self.alpha, self.limit = alpha, limit
+        self.swiglu_alpha, self.swiglu_limit = alpha, limit
 
     @property
     def n_experts(self) -> int: return self.gate_up_proj.shape[0]
@@ -92,7 +92,7 @@ class GptOssExperts(nn.Module):
         order = idx.reshape(-1).argsort(stable=True)        # (token, expert) pairs sorted by expert, as Experts
         token = order // k
         gu, gub, dn, dnb = (p.unbind(0) for p in (self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias))
-        outs = [torch.addmm(dnb[e], clamped_swiglu(torch.addmm(gub[e], s, gu[e]), self.alpha, self.limit), dn[e])
+        outs = [torch.addmm(dnb[e], clamped_swiglu(torch.addmm(gub[e], s, gu[e]), self.swiglu_alpha, self.swiglu_limit), dn[e])
                 for e, s in enumerate(x[token].split(_expert_counts(idx, self.n_experts))) if len(s)]
         out = torch.cat(outs) * w.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, token, out.to(x.dtype))
