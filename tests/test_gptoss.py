@@ -422,3 +422,18 @@ def test_expert_lora_trains_and_qlora_of_gpt_oss_experts_is_refused():
     with pytest.raises(ValueError, match="gpt-oss"): quantize_base(m)
     m = apply_lora(build_model(_small_oss(256)), rank=2, targets="all-linear")   # attention only: router and experts stay frozen
     assert not any(p.requires_grad for b in moe_blocks(m) for p in b.parameters())
+
+
+@pytest.mark.parametrize("method, experts", [("full", False), ("lora", False), ("lora", True)])
+def test_memory_formula_counts_gpt_oss_and_the_estimate_is_measured(method, experts):
+    """The rough formula's parameters and optimizer state equal the estimator's to the byte (sinks, router and expert biases,
+    expert adapters), its peak is within 25% of the measured one, and the estimate (FakeTensorMode) within 1%; QLoRA is refused."""
+    from tunebook.memory import estimate, rough_estimate
+    cfg = _small_oss(512, dim=64, n_heads=4, head_dim=16, hidden_dim=32, moe_hidden_dim=32)
+    kw = dict(method=method, batch_size=2, seq_len=128, dtype="fp32", lora_rank=4)
+    est = estimate(cfg, measure=True, **kw, **({"lora_targets": ("all-linear", "experts")} if experts else {}))
+    rough = rough_estimate(cfg, lora_experts=experts, **kw)
+    assert rough.categories["parameters"] == est.categories["parameters"]
+    assert rough.categories["optimizer"] == est.categories["optimizer"]
+    assert abs(est.error) <= 0.01 and 0.75 <= rough.peak_bytes / est.measured_peak_bytes <= 1.25
+    with pytest.raises(ValueError, match="gpt-oss"): rough_estimate(cfg, method="qlora")
