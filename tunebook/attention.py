@@ -92,6 +92,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self.kind = (scaling or {}).get("rope_type", "default")
+        if self.kind == "yarn" and any(scaling.get(k) is None for k in ("factor", "original_max_position_embeddings")):
+            raise ValueError(f"yarn RoPE needs factor and original_max_position_embeddings; got {scaling}.")
         self.attention_factor = (longrope_attention_factor(scaling) if self.kind == "longrope" else
                                  yarn_attention_factor(scaling) if self.kind == "yarn" else 1.0)
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
