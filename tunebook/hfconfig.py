@@ -105,6 +105,8 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
         max_pos = hf.get("max_position_embeddings", 4096)
         scaling.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings", max_pos))
         if scaling.get("factor") is None: scaling["factor"] = max_pos / scaling["original_max_position_embeddings"]
+    if scaling is not None and scaling["rope_type"] == "yarn" and arch != "gpt_oss":
+        raise ValueError(f"{source}: rope_type 'yarn' is not supported for {arch} (here it is gpt_oss's; checked against transformers there).")
     if scaling is not None and scaling["rope_type"] == "yarn":
         if "original_max_position_embeddings" not in scaling: raise ValueError(f"{source}: yarn RoPE needs original_max_position_embeddings.")
         if scaling.get("factor") is None: scaling["factor"] = hf.get("max_position_embeddings", 4096) / scaling["original_max_position_embeddings"]
