@@ -13,7 +13,7 @@ from pathlib import Path
 # module (dotted, inside the package) -> layer; a subpackage's modules take their package's layer unless listed
 LAYERS = {
     "__init__": 0, "_modidx": 0, "core": 0,
-    "attention": 1, "layers": 1, "moe": 1, "deltanet": 1, "modelconfig": 1, "model": 1,
+    "attention": 1, "layers": 1, "moe": 1, "deltanet": 1, "gptoss": 1, "modelconfig": 1, "model": 1,
     "checkpoint": 2, "hfconfig": 2, "tokenizer": 2, "data": 2, "records": 2, "batches": 2, "tasks": 2, "generate": 2, "hub": 2,
     "lora": 3, "loss": 3, "optim": 3, "memory": 3, "precision": 3, "compile": 3,
     "distributed": 4, "launch": 4,

@@ -15,8 +15,8 @@ from .core import no_autocast
 
 # %% auto #0
 __all__ = ['CPU_FP32_ATTENTION_MAX_LEN', 'RMSNorm', 'GemmaRMSNorm', 'llama3_scaled_freqs', 'longrope_attention_factor',
-           'RotaryEmbedding', 'rotate_half', 'apply_rotary', 'KVCache', 'build_mask', 'sdpa', 'DocumentSpans',
-           'Attention', 'FusedQKVAttention']
+           'yarn_scaled_freqs', 'yarn_attention_factor', 'RotaryEmbedding', 'rotate_half', 'apply_rotary', 'KVCache',
+           'build_mask', 'sdpa', 'DocumentSpans', 'Attention', 'FusedQKVAttention']
 
 # %% ../nbs/01_decoder.ipynb #14013bd7
 class RMSNorm(nn.Module):
@@ -63,13 +63,39 @@ def longrope_attention_factor(scaling: dict) -> float:
     f, om = scaling["factor"], scaling["original_max_position_embeddings"]
     return 1.0 if f <= 1.0 else math.sqrt(1 + math.log(f) / math.log(om))
 
+def yarn_scaled_freqs(inv_freq: torch.Tensor, theta: float, rotary_dim: int,
+                      factor: float,                          # context stretch
+                      original_max_position_embeddings: int,  # the context the model was trained at
+                      beta_fast: float = 32.0,                # pairs turning more than this often in that context keep their frequency
+                      beta_slow: float = 1.0,                 # pairs turning less often than this are divided by `factor`
+                      truncate: bool = True):                 # round the ramp's ends to whole pairs
+    "YaRN's frequencies: fast pairs kept, slow pairs divided by `factor`, a linear ramp over the pairs in between."
+    def pair(turns):   # the (fractional) pair index whose wavelength fits `turns` times in the original context
+        return rotary_dim * math.log(original_max_position_embeddings / (turns * 2 * math.pi)) / (2 * math.log(theta))
+    lo, hi = pair(beta_fast), pair(beta_slow)
+    if truncate: lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, rotary_dim - 1)
+    if lo == hi: hi += 0.001
+    ramp = ((torch.arange(len(inv_freq), dtype=torch.float32, device=inv_freq.device) - lo) / (hi - lo)).clamp(0, 1)
+    return inv_freq * (1 - ramp) + inv_freq / factor * ramp
+
+def yarn_attention_factor(scaling: dict) -> float:
+    "YaRN's cos/sin multiplier: given, or 0.1 ln(factor) + 1 (with DeepSeek's mscale ratio when both mscales are set)."
+    if scaling.get("attention_factor") is not None: return float(scaling["attention_factor"])
+    m = lambda s, ms=1.0: 1.0 if s <= 1 else 0.1 * ms * math.log(s) + 1.0
+    f, ms, msa = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return float(m(f, ms) / m(f, msa)) if ms and msa else m(f)
+
 class RotaryEmbedding(nn.Module):
     "Cos/sin tables for given positions; `scaling` is None or a dict like HF's `rope_scaling`."
     def __init__(self, head_dim: int, theta: float = 10000.0, scaling: dict | None = None):
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self.kind = (scaling or {}).get("rope_type", "default")
-        self.attention_factor = longrope_attention_factor(scaling) if self.kind == "longrope" else 1.0
+        if self.kind == "yarn" and any(scaling.get(k) is None for k in ("factor", "original_max_position_embeddings")):
+            raise ValueError(f"yarn RoPE needs factor and original_max_position_embeddings; got {scaling}.")
+        self.attention_factor = (longrope_attention_factor(scaling) if self.kind == "longrope" else
+                                 yarn_attention_factor(scaling) if self.kind == "yarn" else 1.0)
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
         if self.kind == "longrope": self.register_buffer("long_inv_freq", self._inv_freq(long=True), persistent=False)
 
@@ -84,8 +110,11 @@ class RotaryEmbedding(nn.Module):
             ext = self.scaling["long_factor" if long else "short_factor"]
             if len(ext) != len(inv): raise ValueError(f"longrope factors have {len(ext)} entries; the rotated width needs {len(inv)}.")
             inv = inv / torch.tensor(ext, dtype=torch.float32, device=device)
+        elif self.kind == "yarn":      # gpt-oss: YaRN's ramp between kept and stretched frequencies
+            keys = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate")
+            inv = yarn_scaled_freqs(inv, self.theta, self.head_dim, **{k: self.scaling[k] for k in keys if self.scaling.get(k) is not None})
         elif self.kind != "default":
-            raise ValueError(f"rope scaling type {self.kind!r} is not supported; supported: default, linear, llama3, longrope.")
+            raise ValueError(f"rope scaling type {self.kind!r} is not supported; supported: default, linear, llama3, longrope, yarn.")
         return inv
 
     def reset_parameters(self):
@@ -264,6 +293,10 @@ class Attention(nn.Module):
         "q, k, v projections of `x` (B, T, dim), heads not yet split."
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
+    def attend(self, q, k, v, mask, causal: bool):
+        "Softmax attention of q (B, H, T, hd) over k, v (B, Hkv, S, hd) -> (B, H, T, hd): SDPA (a subclass adds sinks)."
+        return sdpa(q, k, v, mask, causal, self.scale, self.n_kv_heads != self.n_heads)
+
     def forward(self, x: torch.Tensor,          # (B, T, dim)
                 cos: torch.Tensor, sin: torch.Tensor,  # (B, T, rotary_dim) from RotaryEmbedding
                 mask: torch.Tensor | DocumentSpans | None = None,  # (B, 1, T, S) bool, packed documents, or None: causal
@@ -279,6 +312,8 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)       # (B, H, T, hd), (B, Hkv, T, hd)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if self.use_rope: q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if isinstance(mask, DocumentSpans) and type(self).attend is not Attention.attend:
+            mask = mask.dense(x.device, self.sliding_window)   # a subclass's own softmax (sinks) takes the dense mask
         if isinstance(mask, DocumentSpans):   # packed rows: one document at a time
             if self.cache is not None: raise ValueError("packed documents (doc_ids) do not combine with a KV cache")
             y = mask.attend(q, k, v, self.scale, self.n_kv_heads != self.n_heads, self.sliding_window).transpose(1, 2)
@@ -290,7 +325,7 @@ class Attention(nn.Module):
         if mask is None and self.sliding_window is not None and k.shape[2] > self.sliding_window:
             mask = build_mask(T, k.shape[2], sliding_window=self.sliding_window, device=x.device)
         causal = mask is None and (self.cache is None or k.shape[2] == T)   # no cache: no size comparison to guard on
-        y = sdpa(q, k, v, mask, causal, self.scale, self.n_kv_heads != self.n_heads)  # (B, H, T, hd)
+        y = self.attend(q, k, v, mask, causal)            # (B, H, T, hd)
         y = y.transpose(1, 2)                             # (B, T, H, hd)
         if self.output_gate: y = y * torch.sigmoid(gate)
         return self.o_proj(y.reshape(B, T, self.n_heads * self.head_dim))

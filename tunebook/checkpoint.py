@@ -18,12 +18,14 @@ from safetensors.torch import save_file
 
 from .core import check_dir, get_dtype, read_json
 from .model import ModelConfig, Transformer, build_model
+from .gptoss import mxfp4_dequantize
 from .hfconfig import SUPPORTED, config_from_hf, config_to_hf  # the config.json mapping (03_checkpoints), re-exported
 _all_ = ['SUPPORTED', 'config_from_hf', 'config_to_hf']
 
 # %% auto #0
-__all__ = ['hf_key', 'our_key', 'text_key', 'hf_tensors', 'our_slot', 'expected_tensors', 'unfuse', 'read_hf_config', 'load_hf',
-           'publish_dir', 'save_hf', 'load_embedded', 'SUPPORTED', 'config_from_hf', 'config_to_hf']
+__all__ = ['hf_key', 'our_key', 'text_key', 'hf_tensors', 'our_slot', 'fused_experts', 'expected_tensors', 'unfuse',
+           'read_hf_config', 'load_hf', 'publish_dir', 'save_hf', 'load_embedded', 'SUPPORTED', 'config_from_hf',
+           'config_to_hf']
 
 # %% ../nbs/03_checkpoints.ipynb #a086dad2
 def hf_key(name: str) -> str:
@@ -43,9 +45,9 @@ def text_key(key: str) -> str | None:
 _STACKED = re.compile(r"(.+\.experts)\.(gate_proj|up_proj|down_proj)$")          # ours: (n_experts, out, in)
 _PER_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")  # HF: one expert's weight
 
-def hf_tensors(name: str, p: torch.Tensor) -> dict[str, torch.Tensor]:
-    "Our parameter -> its Hugging Face tensors: stacked expert weights become one `experts.N.<proj>.weight` per expert."
-    m = _STACKED.fullmatch(name)
+def hf_tensors(name: str, p: torch.Tensor, fused: bool = False) -> dict[str, torch.Tensor]:
+    "Our parameter -> its Hugging Face tensors: stacked expert weights become one `experts.N.<proj>.weight` per expert (unless `fused`: gpt-oss)."
+    m = None if fused else _STACKED.fullmatch(name)
     if m is None: return {hf_key(name): p}
     return {hf_key(f"{m[1]}.{e}.{m[2]}.weight"): p[e] for e in range(p.shape[0])}
 
@@ -54,16 +56,21 @@ def our_slot(params: dict, key: str) -> torch.Tensor:
     m = _PER_EXPERT.fullmatch(our_key(key))
     return params[our_key(key)] if m is None else params[f"{m[1]}.{m[3]}"][int(m[2])]
 
+def fused_experts(cfg: ModelConfig | None) -> bool:
+    "Whether the family's checkpoints store experts stacked, as one tensor per projection (gpt-oss), not one per expert."
+    return cfg is not None and cfg.arch == "gpt_oss"
+
 def expected_tensors(model: Transformer) -> dict[str, torch.Size]:
     "Hugging Face key -> shape for every tensor a checkpoint of `model` holds."
     tied = model.config is not None and model.config.tie_embeddings
+    fused = fused_experts(model.config)
     return {k: t.shape for n, p in model.named_parameters(remove_duplicate=False)
-            if not (tied and n == "lm_head.weight") for k, t in hf_tensors(n, p).items()}
+            if not (tied and n == "lm_head.weight") for k, t in hf_tensors(n, p, fused).items()}
 
-def unfuse(key: str, shape: tuple) -> list[tuple]:
+def unfuse(key: str, shape: tuple, fused: bool = False) -> list[tuple]:
     "(key, shape, slice) per expert for a fused `experts.gate_up_proj` / `experts.down_proj` tensor; else [(key, shape, None)]."
     m = re.fullmatch(r"(.+\.experts)\.(gate_up_proj|down_proj)", key)
-    if m is None or len(shape) != 3: return [(key, shape, None)]
+    if fused or m is None or len(shape) != 3: return [(key, shape, None)]
     E, h = shape[0], shape[1] // 2
     if m[2] == "down_proj": return [(f"{m[1]}.{e}.down_proj.weight", shape[1:], (e,)) for e in range(E)]
     return [(f"{m[1]}.{e}.{name}.weight", (h, shape[2]), (e, slice(a, a + h)))
@@ -110,12 +117,17 @@ def load_hf(path, dtype=None, device="cpu") -> Transformer:
     # 3. check names and shapes from the headers alone
     model = build_model(cfg, dtype=torch.float32, device="meta")
     expected = expected_tensors(model)
-    found, where, orig = {}, {}, {}
+    found, where, orig, scales_at = {}, {}, {}, {}
+    mxfp4 = (hf.get("quantization_config") or {}).get("quant_method") == "mxfp4"   # gpt-oss: experts as MXFP4 blocks + scales
     for f, h in handles.items():
         for key in h.keys():
             k = text_key(key) if multimodal else key
             if k is None: continue
-            for kk, shape, part in unfuse(k, tuple(h.get_slice(key).get_shape())):   # fused experts: one entry per expert
+            if mxfp4 and k.endswith("_scales"): scales_at[k] = f; continue      # read with its blocks
+            if mxfp4 and k.endswith("_blocks"):   # (..., rows, G, 16) bytes: the (..., G * 32, rows) weight, dequantised below
+                *lead, rows, G, _ = h.get_slice(key).get_shape()
+                found[k[:-7]], where[k[:-7]], orig[k[:-7]] = (*lead, G * 32, rows), f, (key, "mxfp4"); continue
+            for kk, shape, part in unfuse(k, tuple(h.get_slice(key).get_shape()), fused_experts(cfg)):   # fused experts: one entry per expert
                 found[kk], where[kk], orig[kk] = tuple(shape), f, (key, part)
     if cfg.tie_embeddings: found.pop("lm_head.weight", None)
     missing = [k for k in expected if k not in found]
@@ -131,7 +143,7 @@ def load_hf(path, dtype=None, device="cpu") -> Transformer:
         if tuple(shape) != found[k]:
             raise ValueError(f"tensor {k} in {where[k].name} has shape {found[k]}, but config.json implies {tuple(shape)}.")
     # 4. materialise and fill
-    first = next(iter(expected))
+    first = next(k for k in expected if orig[k][1] != "mxfp4")
     file_dtype = handles[where[first]].get_slice(orig[first][0]).get_dtype()
     dt = get_dtype(dtype) if dtype is not None else {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(file_dtype, torch.float32)
     model = model.to_empty(device=device).to(dt)
@@ -141,6 +153,11 @@ def load_hf(path, dtype=None, device="cpu") -> Transformer:
     with torch.no_grad():
         for k in expected:
             key, part = orig[k]
+            if part == "mxfp4":
+                sk = key[:-7] + "_scales"
+                if sk not in scales_at: raise ValueError(f"checkpoint in {root} has {key} but not {sk}; MXFP4 needs both.")
+                our_slot(params, k).copy_(mxfp4_dequantize(handles[where[k]].get_tensor(key), handles[scales_at[sk]].get_tensor(sk), dt).transpose(-1, -2))
+                continue
             try: t = handles[where[k]].get_tensor(key) if part is None else handles[where[k]].get_slice(key)[part]
             except Exception as e:
                 raise ValueError(f"{where[k]}: cannot read tensor {k} ({e}); the file is truncated or corrupt.") from e
@@ -173,7 +190,7 @@ def save_hf(model: Transformer, path, dtype=None, max_shard_size: int = 5 * 2**3
     tensors = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         if model.config.tie_embeddings and n == "lm_head.weight": continue
-        for k, t in hf_tensors(n, p.detach()).items():
+        for k, t in hf_tensors(n, p.detach(), fused_experts(model.config)).items():
             tensors[k] = (t.to(get_dtype(dtype)) if dtype is not None else t).to("cpu").contiguous().clone()
     dt = next(iter(tensors.values())).dtype
     shards, cur, size = [], {}, 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .core import dtype_name
-from .model import ModelConfig, gemma3_layer_types, qwen3_5_layer_types, smollm3_no_rope_layers
+from .model import gpt_oss_layer_types, ModelConfig, gemma3_layer_types, qwen3_5_layer_types, smollm3_no_rope_layers
 
 # %% auto #0
 __all__ = ['SUPPORTED', 'config_from_hf', 'config_to_hf']
@@ -16,8 +16,11 @@ __all__ = ['SUPPORTED', 'config_from_hf', 'config_to_hf']
 # %% ../nbs/03_checkpoints.ipynb #50e243ed
 SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
              "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-             "smollm3": "SmolLM3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
-_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+             "smollm3": "SmolLM3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+             "gpt_oss": "GptOssForCausalLM"}
+_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
+# GptOssConfig's RoPE when config.json gives none: YaRN stretching a 4096-token training context 32 times
+_GPT_OSS_YARN = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=4096)
 
 def _scaling(d: dict | None, source: str) -> dict | None:
     "A rope_scaling dict in the `rope_type` spelling, None for plain RoPE; unsupported types refused."
@@ -40,13 +43,15 @@ def _rope_from_hf(hf: dict, arch: str, source: str):
             raise ValueError(f"{source}: RoPE scaling on the sliding-window layers is not supported.")
         return (full.get("rope_theta", hf.get("rope_theta", 1000000.0)), _scaling(full, source),
                 local.get("rope_theta", hf.get("rope_local_base_freq", 10000.0)), 1.0)
-    theta = rp.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if arch == "gpt_oss" and not rp and not hf.get("rope_scaling"): rp = dict(_GPT_OSS_YARN)
+    theta = rp.get("rope_theta", hf.get("rope_theta", 150000.0 if arch == "gpt_oss" else 10000.0))
     prf = rp.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25 if arch == "qwen3_5_text" else 1.0))
     return theta, _scaling(rp if len(rp) > ("rope_theta" in rp) + ("partial_rotary_factor" in rp) else hf.get("rope_scaling"), source), None, prf
 
 def _windows(hf: dict, arch: str, n_layers: int):
     "(sliding_window, layer_types) of a config.json."
     if arch in ("mistral", "phi3"): return hf.get("sliding_window"), None
+    if arch == "gpt_oss": return hf.get("sliding_window", 128), hf.get("layer_types") or gpt_oss_layer_types(n_layers)
     if arch == "qwen3_5_text": return None, hf.get("layer_types") or qwen3_5_layer_types(n_layers, hf.get("full_attention_interval", 4))
     if arch == "gemma3_text":
         pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
@@ -82,6 +87,10 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
         raise ValueError(f"{source}: unsupported architecture {archs} (model_type={arch!r}); "
                          f"tunebook loads {', '.join(SUPPORTED.values())}.")
     if hf.get("mlp_bias"): raise ValueError(f"{source}: mlp_bias=true is not supported.")
+    quant = (hf.get("quantization_config") or {}).get("quant_method")
+    if quant is not None and not (arch == "gpt_oss" and quant == "mxfp4"):
+        raise ValueError(f"{source}: quantization_config {quant!r} is not supported (only gpt-oss's mxfp4 experts, dequantised on load); "
+                         "save the model dequantised first.")
     gemma = arch == "gemma3_text"
     act = hf.get("hidden_activation", hf.get("hidden_act")) if gemma else hf.get("hidden_act", "silu")
     if act != ("gelu_pytorch_tanh" if gemma else "silu"):
@@ -96,23 +105,36 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
         max_pos = hf.get("max_position_embeddings", 4096)
         scaling.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings", max_pos))
         if scaling.get("factor") is None: scaling["factor"] = max_pos / scaling["original_max_position_embeddings"]
+    if scaling is not None and scaling["rope_type"] == "yarn" and arch != "gpt_oss":
+        raise ValueError(f"{source}: rope_type 'yarn' is not supported for {arch} (here it is gpt_oss's; checked against transformers there).")
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        if "original_max_position_embeddings" not in scaling: raise ValueError(f"{source}: yarn RoPE needs original_max_position_embeddings.")
+        if scaling.get("factor") is None: scaling["factor"] = hf.get("max_position_embeddings", 4096) / scaling["original_max_position_embeddings"]
     if arch == "qwen3_moe" and hf.get("use_sliding_window"): raise ValueError(f"{source}: use_sliding_window=true is not supported for qwen3_moe.")
-    bias = bool(hf.get("attention_bias", False)) and arch in ("llama", "qwen3", "gemma3_text", "smollm3", "qwen3_moe", "qwen3_5_text")
+    bias = bool(hf.get("attention_bias", arch == "gpt_oss")) and arch in ("llama", "qwen3", "gemma3_text", "smollm3", "qwen3_moe",
+                                                                           "qwen3_5_text", "gpt_oss")
     nope = (hf.get("no_rope_layers") or smollm3_no_rope_layers(hf["num_hidden_layers"], hf.get("no_rope_layer_interval", 4))
             if arch == "smollm3" else None)
     return ModelConfig(
         vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
         n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        hidden_dim=hf["intermediate_size"], head_dim=hf.get("head_dim", 256 if arch == "qwen3_5_text" else None),
+        hidden_dim=hf["intermediate_size"], head_dim=hf.get("head_dim", {"qwen3_5_text": 256, "gpt_oss": 64}.get(arch)),
         max_seq_len=hf.get("max_position_embeddings", 4096), rope_theta=float(theta), rope_scaling=scaling,
-        norm_eps=hf.get("rms_norm_eps", 1e-6), qkv_bias=True if arch == "qwen2" else bias, o_bias=bias,
+        norm_eps=hf.get("rms_norm_eps", 1e-5 if arch == "gpt_oss" else 1e-6), qkv_bias=True if arch == "qwen2" else bias, o_bias=bias,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), arch=arch,
         bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"),
         qk_norm=arch in ("qwen3", "gemma3_text", "qwen3_moe", "qwen3_5_text"), sliding_window=window, layer_types=types,
         rope_local_theta=None if local_theta is None else float(local_theta),
         query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256) if gemma else None,
         partial_rotary_factor=float(prf), hidden_act=act, final_softcap=hf.get("final_logit_softcapping") if gemma else None,
-        no_rope_layers=nope, **(_moe_from_hf(hf) if arch == "qwen3_moe" else {}), **(_linear_from_hf(hf) if arch == "qwen3_5_text" else {}))
+        no_rope_layers=nope, **(_moe_from_hf(hf) if arch == "qwen3_moe" else {}), **(_linear_from_hf(hf) if arch == "qwen3_5_text" else {}),
+        **(_gpt_oss_from_hf(hf) if arch == "gpt_oss" else {}))
+
+def _gpt_oss_from_hf(hf: dict) -> dict:
+    "gpt-oss's MoE fields (its experts are intermediate_size wide); absent ones take GptOssConfig's defaults, as transformers does."
+    return dict(n_experts=hf.get("num_local_experts", 128), experts_per_token=hf.get("num_experts_per_tok", 4),
+                moe_hidden_dim=hf["intermediate_size"], router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+                attn_sinks=True, swiglu_limit=float(hf.get("swiglu_limit", 7.0)), swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
 
 def _linear_from_hf(hf: dict) -> dict:
     "Qwen3.5's gated attention and Gated DeltaNet fields; absent ones take Qwen3_5TextConfig's defaults, as transformers does."
@@ -134,10 +156,11 @@ _FIXED = {"llama": dict(qk_norm=False, hidden_act="silu"), "qwen2": dict(qk_norm
           "gemma3_text": dict(qk_norm=True, hidden_act="gelu_pytorch_tanh"),
           "phi3": dict(qk_norm=False, hidden_act="silu", qkv_bias=False, o_bias=False),
           "smollm3": dict(qk_norm=False, hidden_act="silu"), "qwen3_moe": dict(qk_norm=True, hidden_act="silu"),
-          "qwen3_5_text": dict(qk_norm=True, hidden_act="silu", attn_output_gate=True)}
+          "qwen3_5_text": dict(qk_norm=True, hidden_act="silu", attn_output_gate=True),
+          "gpt_oss": dict(qk_norm=False, hidden_act="silu", attn_sinks=True)}
 _ONLY = {"rope_local_theta": ("gemma3_text",), "query_pre_attn_scalar": ("gemma3_text",), "final_softcap": ("gemma3_text",),
-         "layer_types": ("gemma3_text", "qwen2", "qwen3", "smollm3", "qwen3_5_text"), "no_rope_layers": ("smollm3",),
-         "sliding_window": ("gemma3_text", "qwen2", "qwen3", "mistral", "phi3", "smollm3")}
+         "layer_types": ("gemma3_text", "qwen2", "qwen3", "smollm3", "qwen3_5_text", "gpt_oss"), "no_rope_layers": ("smollm3",),
+         "sliding_window": ("gemma3_text", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "gpt_oss")}
 
 def _check_family(cfg: ModelConfig):
     cls = SUPPORTED[cfg.arch]
@@ -146,13 +169,13 @@ def _check_family(cfg: ModelConfig):
     for k, archs in _ONLY.items():
         if getattr(cfg, k) is not None and cfg.arch not in archs:
             raise ValueError(f"{k}={getattr(cfg, k)!r} cannot be written as a {cls}; families that have it: {', '.join(archs)}.")
-    if cfg.n_experts and cfg.arch != "qwen3_moe":
-        raise ValueError(f"n_experts={cfg.n_experts} cannot be written as a {cls}; the MoE family here is qwen3_moe.")
+    if cfg.n_experts and cfg.arch not in ("qwen3_moe", "gpt_oss"):
+        raise ValueError(f"n_experts={cfg.n_experts} cannot be written as a {cls}; the MoE families here are qwen3_moe and gpt_oss.")
     if cfg.partial_rotary_factor != 1.0 and cfg.arch not in ("phi3", "qwen3_5_text"):
         raise ValueError(f"partial_rotary_factor={cfg.partial_rotary_factor} cannot be written as a {cls} (only phi3 and qwen3_5_text have it).")
     if cfg.arch != "qwen3_5_text" and (cfg.attn_output_gate or "linear_attention" in (cfg.layer_types or [])):
         raise ValueError(f"attention output gates and linear_attention layers cannot be written as a {cls}; the family that has them is qwen3_5_text.")
-    if cfg.arch in ("llama", "qwen3", "gemma3_text", "smollm3", "qwen3_moe", "qwen3_5_text") and cfg.qkv_bias != cfg.o_bias:
+    if cfg.arch in ("llama", "qwen3", "gemma3_text", "smollm3", "qwen3_moe", "qwen3_5_text", "gpt_oss") and cfg.qkv_bias != cfg.o_bias:
         raise ValueError(f"a {cls} checkpoint biases all of q, k, v and o or none (attention_bias); this config has "
                          f"qkv_bias={cfg.qkv_bias}, o_bias={cfg.o_bias}: use arch='qwen2' for q/k/v bias alone.")
 
@@ -168,7 +191,13 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
           "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": dtype_name(dtype),
           "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
           "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True}
-    if cfg.arch in ("llama", "qwen3", "gemma3_text", "smollm3", "qwen3_moe", "qwen3_5_text"): hf.update(attention_bias=cfg.qkv_bias)
+    if cfg.arch in ("llama", "qwen3", "gemma3_text", "smollm3", "qwen3_moe", "qwen3_5_text", "gpt_oss"): hf.update(attention_bias=cfg.qkv_bias)
+    if cfg.arch == "gpt_oss":
+        hf.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token, router_aux_loss_coef=cfg.router_aux_loss_coef,
+                  output_router_logits=False, sliding_window=cfg.sliding_window, layer_types=list(cfg.layer_types or []) or None,
+                  swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha,
+                  rope_parameters={"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta})
+        hf.pop("rope_scaling")   # transformers 5's spelling alone: rope_parameters
     if cfg.arch == "qwen3_5_text":
         if cfg.rope_scaling: raise ValueError(f"rope_scaling={cfg.rope_scaling!r} cannot be written as a {cls} here (plain RoPE only).")
         hf.update(layer_types=list(cfg.layer_types), linear_num_key_heads=cfg.linear_key_heads, linear_num_value_heads=cfg.linear_value_heads,

@@ -14,6 +14,7 @@ from .core import get_dtype
 from .modelconfig import *   # ModelConfig, BUILDERS, get_config and the named builders, re-exported
 from .moe import Experts, MoEFeedForward, TopKRouter, moe_aux_loss
 from .deltanet import DeltaNetBlock, GatedDeltaNet
+from .gptoss import GptOssExperts, GptOssMoE, SinkAttention, TopKSoftmaxRouter
 from .layers import (FeedForward, FusedFeedForward, SandwichBlock, ScaledEmbedding, TransformerBlock,
                              default_dtype, init_weights)
 
@@ -132,6 +133,12 @@ def _block(cfg: ModelConfig, i: int) -> TransformerBlock:
     kw = dict(sliding_window=cfg.window(i), use_rope=cfg.no_rope_layers is None or bool(cfg.no_rope_layers[i]),
               scale=None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5)
     if cfg.qk_norm: kw.update(q_norm=Norm(hd, cfg.norm_eps), k_norm=Norm(hd, cfg.norm_eps))
+    if cfg.arch == "gpt_oss":   # sinks, biased q/k/v/o, and every layer an MoE of biased experts (tunebook.gptoss)
+        attn = SinkAttention(H, Hkv, hd, lin(D, H * hd, cfg.qkv_bias), lin(D, Hkv * hd, cfg.qkv_bias), lin(D, Hkv * hd, cfg.qkv_bias),
+                             lin(H * hd, D, cfg.o_bias), **kw)
+        mlp = GptOssMoE(TopKSoftmaxRouter(D, cfg.n_experts, cfg.experts_per_token),
+                        GptOssExperts(cfg.n_experts, D, cfg.moe_hidden_dim, cfg.swiglu_alpha, cfg.swiglu_limit))
+        return TransformerBlock(attn, mlp, Norm(D, cfg.norm_eps), Norm(D, cfg.norm_eps))
     if cfg.arch == "phi3":
         attn = FusedQKVAttention(H, Hkv, hd, lin(D, (H + 2 * Hkv) * hd, cfg.qkv_bias), lin(H * hd, D, cfg.o_bias), **kw)
         mlp = FusedFeedForward(lin(D, 2 * cfg.hidden_dim), lin(cfg.hidden_dim, D), cfg.hidden_act)

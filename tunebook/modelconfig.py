@@ -9,19 +9,24 @@ import dataclasses
 from dataclasses import dataclass
 
 # %% auto #0
-__all__ = ['ARCHS', 'LAYER_TYPES', 'BUILDERS', 'qwen3_5_layer_types', 'ModelConfig', 'llama3_2_1b', 'llama3_2_3b', 'llama3_1_8b',
-           'llama3_1_70b', 'qwen2_5_0_5b', 'qwen2_5_1_5b', 'qwen2_5_7b', 'smollm2_135m', 'smollm2_360m', 'pico',
-           'qwen3_0_6b', 'qwen3_1_7b', 'qwen3_4b', 'qwen3_8b', 'gemma3_layer_types', 'gemma3_270m', 'gemma3_1b',
-           'gemma3_4b', 'mistral_7b_v0_3', 'phi3_mini', 'phi4_mini', 'smollm3_no_rope_layers', 'smollm3_3b',
-           'qwen3_30b_a3b', 'qwen3_235b_a22b', 'get_config']
+__all__ = ['ARCHS', 'LAYER_TYPES', 'BUILDERS', 'qwen3_5_layer_types', 'gpt_oss_layer_types', 'ModelConfig', 'llama3_2_1b',
+           'llama3_2_3b', 'llama3_1_8b', 'llama3_1_70b', 'qwen2_5_0_5b', 'qwen2_5_1_5b', 'qwen2_5_7b', 'smollm2_135m',
+           'smollm2_360m', 'pico', 'qwen3_0_6b', 'qwen3_1_7b', 'qwen3_4b', 'qwen3_8b', 'gemma3_layer_types',
+           'gemma3_270m', 'gemma3_1b', 'gemma3_4b', 'mistral_7b_v0_3', 'phi3_mini', 'phi4_mini',
+           'smollm3_no_rope_layers', 'smollm3_3b', 'qwen3_30b_a3b', 'qwen3_235b_a22b', 'gpt_oss_20b', 'gpt_oss_120b',
+           'get_config']
 
 # %% ../nbs/01_decoder.ipynb #e1dd86f0
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "smollm3", "qwen3_moe", "qwen3_5_text")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "smollm3", "qwen3_moe", "qwen3_5_text", "gpt_oss")
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 
 def qwen3_5_layer_types(n_layers: int, interval: int = 4) -> list[str]:
     "Qwen3.5's pattern (transformers' `full_attention_interval`): three Gated DeltaNet layers, then one full attention, repeated."
     return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)]
+
+def gpt_oss_layer_types(n_layers: int) -> list[str]:
+    "gpt-oss's pattern: sliding and full attention alternate, starting with a sliding layer."
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
 
 @dataclass
 class ModelConfig:
@@ -66,11 +71,24 @@ class ModelConfig:
     linear_key_head_dim: int = 128      # HF: linear_key_head_dim
     linear_value_head_dim: int = 128    # HF: linear_value_head_dim
     linear_conv_kernel: int = 4         # width of its causal depthwise convolution (HF: linear_conv_kernel_dim)
+    attn_sinks: bool = False            # a learned logit per head joins each attention softmax (gpt-oss)
+    swiglu_limit: float | None = None   # experts' clamped SwiGLU: the clamp of gate (above) and up (both sides) (gpt-oss: 7.0)
+    swiglu_alpha: float = 1.702         # its sigmoid gain
 
     def __post_init__(self):
         if self.head_dim is None: self.head_dim = self.dim // self.n_heads
         if self.arch not in ARCHS: raise ValueError(f"arch={self.arch!r} is not one of {ARCHS}")
         if self.arch == "qwen3_5_text" and self.layer_types is None: self.layer_types = qwen3_5_layer_types(self.n_layers)
+        if self.arch == "gpt_oss" and self.layer_types is None and self.sliding_window: self.layer_types = gpt_oss_layer_types(self.n_layers)
+        if self.arch == "gpt_oss" and not (self.n_experts and self.attn_sinks and self.swiglu_limit):
+            raise ValueError("a gpt_oss config needs n_experts > 0, attn_sinks=True and swiglu_limit set (gpt-oss: 7.0); "
+                             "start from get_config('gpt-oss-20b', ...).")
+        if self.arch == "gpt_oss" and (self.decoder_sparse_step != 1 or self.mlp_only_layers or self.norm_topk_prob or self.qk_norm
+                                       or self.attn_output_gate or self.moe_hidden_dim != self.hidden_dim):
+            raise ValueError("gpt_oss has an MoE in every layer (decoder_sparse_step 1, no mlp_only_layers), its router always "
+                             "normalises (norm_topk_prob False), no q/k norms or output gates, and hidden_dim == moe_hidden_dim.")
+        if self.arch != "gpt_oss" and (self.attn_sinks or self.swiglu_limit is not None):
+            raise ValueError(f"attn_sinks and swiglu_limit are gpt_oss's (arch={self.arch!r} has neither); leave them unset.")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         if self.rotary_dim % 2: raise ValueError(f"the rotated width {self.rotary_dim} (head_dim={self.head_dim} x "
@@ -189,13 +207,25 @@ _QWEN3_MOE = {**_QWEN3, **dict(arch="qwen3_moe", n_experts=128, experts_per_toke
 def qwen3_30b_a3b(**kw):   return ModelConfig(**{**_QWEN3_MOE, **dict(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, hidden_dim=6144, moe_hidden_dim=768), **kw})
 def qwen3_235b_a22b(**kw): return ModelConfig(**{**_QWEN3_MOE, **dict(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, hidden_dim=12288, moe_hidden_dim=1536), **kw})
 
+# gpt-oss: the config.json of openai/gpt-oss-20b and openai/gpt-oss-120b (experts stored in MXFP4, dequantised on load)
+_GPT_OSS = dict(arch="gpt_oss", vocab_size=201088, dim=2880, hidden_dim=2880, moe_hidden_dim=2880, n_heads=64, n_kv_heads=8, head_dim=64,
+                max_seq_len=131072, rope_theta=150000.0, norm_eps=1e-5, qkv_bias=True, o_bias=True, sliding_window=128,
+                rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                  original_max_position_embeddings=4096),
+                experts_per_token=4, router_aux_loss_coef=0.9, attn_sinks=True, swiglu_limit=7.0, swiglu_alpha=1.702,
+                eos_token_id=200002, pad_token_id=199999)
+def _gpt_oss(**kw): return ModelConfig(**{**_GPT_OSS, "rope_scaling": dict(_GPT_OSS["rope_scaling"]), **kw})   # a dict of its own per config
+def gpt_oss_20b(**kw):  return _gpt_oss(**{**dict(n_layers=24, n_experts=32), **kw})
+def gpt_oss_120b(**kw): return _gpt_oss(**{**dict(n_layers=36, n_experts=128), **kw})
+
 BUILDERS = {"llama3.2-1b": llama3_2_1b, "llama3.2-3b": llama3_2_3b, "llama3.1-8b": llama3_1_8b,
             "llama3.1-70b": llama3_1_70b, "qwen2.5-0.5b": qwen2_5_0_5b, "qwen2.5-1.5b": qwen2_5_1_5b,
             "qwen2.5-7b": qwen2_5_7b, "smollm2-135m": smollm2_135m, "smollm2-360m": smollm2_360m,
             "qwen3-0.6b": qwen3_0_6b, "qwen3-1.7b": qwen3_1_7b, "qwen3-4b": qwen3_4b, "qwen3-8b": qwen3_8b,
             "gemma3-270m": gemma3_270m, "gemma3-1b": gemma3_1b, "gemma3-4b": gemma3_4b,
             "mistral-7b-v0.3": mistral_7b_v0_3, "phi3-mini": phi3_mini, "phi4-mini": phi4_mini, "smollm3-3b": smollm3_3b,
-            "qwen3-30b-a3b": qwen3_30b_a3b, "qwen3-235b-a22b": qwen3_235b_a22b, "pico": pico}
+            "qwen3-30b-a3b": qwen3_30b_a3b, "qwen3-235b-a22b": qwen3_235b_a22b,
+            "gpt-oss-20b": gpt_oss_20b, "gpt-oss-120b": gpt_oss_120b, "pico": pico}
 
 def get_config(name: str, **overrides) -> ModelConfig:
     "The `ModelConfig` of a named builder; the error lists the known names."

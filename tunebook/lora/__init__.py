@@ -9,5 +9,6 @@ __all__ = []
 from .nf4 import *
 from .layers import *
 from .experts import *
+from .gptoss import *
 from .apply import *
 from .adapters import *

@@ -21,6 +21,8 @@ from .nf4 import FrozenLinear
 from .layers import LoRALinear
 from ..moe import Experts
 from .experts import EXPERT_PARAMS, LoRAExperts
+from .gptoss import LoRAGptOssExperts, peft_to_stacked
+from ..gptoss import GptOssExperts
 from .apply import _freeze_all_but_adapters, _linear_names, _replace, _matches, _wrap, expert_lora_modules, lora_modules
 
 # %% auto #0
@@ -182,12 +184,13 @@ def load_adapter(model: nn.Module, path, adapter_dtype: torch.dtype | None = Non
             if dora: m.lora_magnitude_vector.copy_(g["lora_magnitude_vector"][1])
     for n, ps in ex.items():
         m, r = model.get_submodule(n), next(iter(ps.values()))[0].shape[1]
-        if isinstance(m, LoRAExperts):
+        if isinstance(m, (LoRAExperts, LoRAGptOssExperts)):
             if m.quantized or list(m.adapters) != list(ps) or m.rank != r:
                 raise ValueError(f"{n} is already quantized or adapted (adapters {list(m.adapters)}, rank {m.rank}); the "
                                  f"file adapts {list(ps)} at rank {r}: load adapters before quantize_base.")
         else:
-            m = LoRAExperts(m, r, cfg.get("lora_alpha", 8), list(ps), cfg.get("use_rslora", False), adapter_dtype)
+            m = (LoRAGptOssExperts if isinstance(m, GptOssExperts) else LoRAExperts)(
+                m, r, cfg.get("lora_alpha", 8), list(ps), cfg.get("use_rslora", False), adapter_dtype)
             _replace(model, n, m)
         with torch.no_grad():
             for p, (A, B) in ps.items(): m.adapters[p].lora_A.copy_(A); m.adapters[p].lora_B.copy_(B)
@@ -205,11 +208,13 @@ def peft_expert_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list
     ex = expert_lora_modules(model)
     if not ex: return {}, []
     kinds = {tuple(m.adapters) for m in ex.values()}
-    if len(kinds) > 1 or set(ex) != {n for n, m in model.named_modules() if isinstance(m, Experts)}:
+    if len(kinds) > 1 or set(ex) != {n for n, m in model.named_modules() if isinstance(m, (Experts, GptOssExperts))}:
         raise NotImplementedError("save_adapter: peft's target_parameters adapt the same expert tensors in every MoE "
                                   f"layer; this model adapts {sorted(kinds)} in {len(ex)} of them.")
     out = {}
     for n, m in ex.items():
+        if isinstance(m, LoRAGptOssExperts):   # gpt-oss: (E, in, out) weights, peft's layout read straight
+            out.update(m.peft_tensors(f"base_model.model.{hf_key(n + '.weight').removesuffix('.weight')}")); continue
         for depth, p in enumerate(reversed(m.adapters)):   # gate_up_proj's wrapper innermost (.base_layer)
             a, key = m.adapters[p], f"base_model.model.{hf_key(n + '.weight').removesuffix('.weight')}" + ".base_layer" * depth
             E, o, r = a.lora_B.shape
@@ -219,7 +224,7 @@ def peft_expert_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list
 
 def take_expert_tensors(model: nn.Module, cfg: dict, tensors: dict, wfile="adapter") -> dict[str, dict]:
     "Pop peft's expert adapter tensors from `tensors`: our module name -> {tensor name: (A (E, r, in), B (E, out, r))}."
-    experts = {n: m for n, m in model.named_modules() if isinstance(m, Experts)}
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, (Experts, GptOssExperts))}
     found = {}
     for k in list(tensors):
         mt = re.fullmatch(r"base_model\.model\.(?:model\.)?(.+\.experts)((?:\.base_layer)*)\.(lora_[AB])\.weight", k)
@@ -234,6 +239,16 @@ def take_expert_tensors(model: nn.Module, cfg: dict, tensors: dict, wfile="adapt
         if sorted({d for d, _ in g}) != list(range(len(present))) or not present:
             raise ValueError(f"{wfile}: {n} holds {len({d for d, _ in g})} expert adapter(s), but target_parameters="
                              f"{cfg.get('target_parameters')!r} names {present} there.")
+        if isinstance(m, GptOssExperts):   # (E, in, out): A (E * r, in), B (out, r * E)
+            for d, p in enumerate(reversed(present)):
+                (i, o), Ap, Bp = getattr(m, p).shape[1:], g.get((d, "lora_A")), g.get((d, "lora_B"))
+                E = m.n_experts
+                if Ap is None or Bp is None or Ap.ndim != 2 or Ap.shape[0] % E or Ap.shape[1] != i or tuple(Bp.shape) != (o, Ap.shape[0]):
+                    raise ValueError(f"{wfile}: the adapter of {n}.{p} has shapes {[tuple(t.shape) for t in (Ap, Bp) if t is not None]}, "
+                                     f"but this model's {p} needs (n_experts * r, {i}) and ({o}, n_experts * r) with n_experts={E}; "
+                                     "the adapter was trained on a base model of another shape.")
+                out.setdefault(n, {})[p] = peft_to_stacked(Ap, Bp, E)
+            continue
         E, I, D = m.shapes["gate_proj"] if isinstance(m, LoRAExperts) else m.gate_proj.shape
         for d, p in enumerate(reversed(present)):
             (o, i), Ap, Bp = {"gate_up_proj": (2 * I, D), "down_proj": (D, I)}[p], g.get((d, "lora_A")), g.get((d, "lora_B"))

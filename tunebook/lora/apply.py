@@ -16,6 +16,8 @@ from ..core import patch
 from .layers import LoRALinear
 from ..moe import Experts
 from .experts import EXPERT_PARAMS, LoRAExperts
+from .gptoss import LoRAGptOssExperts
+from ..gptoss import GptOssExperts
 
 # %% auto #0
 __all__ = ['ALL_LINEAR_SKIP', 'lora_modules', 'expert_lora_modules', 'apply_lora', 'quantize_base', 'merge_lora', 'unmerge_lora',
@@ -32,7 +34,7 @@ def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
 
 def expert_lora_modules(model: nn.Module) -> dict[str, LoRAExperts]:
     "Name -> LoRAExperts with adapters (per-expert LoRA on stacked MoE experts) in `model`."
-    return {n: m for n, m in model.named_modules() if isinstance(m, LoRAExperts) and m.adapters}
+    return {n: m for n, m in model.named_modules() if isinstance(m, (LoRAExperts, LoRAGptOssExperts)) and m.adapters}
 
 def _split_expert_targets(targets) -> tuple[list[str], tuple]:
     "The stacked expert tensors that `targets` names as peft's target_parameters do (\"experts\": both), and the rest."
@@ -72,9 +74,10 @@ def _wrap(model, names, **kw):
 
 def _wrap_experts(model, params, rank, alpha, use_rslora=False, adapter_dtype=None):
     for n, m in list(model.named_modules()):
-        if isinstance(m, LoRAExperts):
+        if isinstance(m, (LoRAExperts, LoRAGptOssExperts)):
             raise ValueError(f"{n} is already frozen or quantized experts; apply LoRA first, then quantize_base(model).")
         if isinstance(m, Experts): _replace(model, n, LoRAExperts(m, rank, alpha, params, use_rslora, adapter_dtype))
+        elif isinstance(m, GptOssExperts): _replace(model, n, LoRAGptOssExperts(m, rank, alpha, params, use_rslora, adapter_dtype))
 
 def apply_lora(model: nn.Module,
                rank: int = 8,                 # r
@@ -97,7 +100,7 @@ def apply_lora(model: nn.Module,
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
     ex, targets = _split_expert_targets(targets)
     if ex:
-        if not any(isinstance(m, Experts) for m in model.modules()):
+        if not any(isinstance(m, (Experts, GptOssExperts)) for m in model.modules()):
             raise ValueError(f"LoRA targets {ex} name stacked MoE expert tensors, but this model has no MoE layers.")
         if dora: raise ValueError("DoRA on stacked MoE experts is not supported (peft 0.18's ParamWrapper refuses it too); "
                                   "use LoRA there, or DoRA on linear targets only.")
@@ -114,7 +117,7 @@ def apply_lora(model: nn.Module,
                        if f in available and any(t in parts for t in unknown))
         raise ValueError(f"unknown LoRA target(s) {unknown or targets}; the linear modules of this model are "
                          f"{available} (or use 'all-linear')"
-                         + (", and 'experts' for the stacked MoE experts" if any(isinstance(m, Experts) for m in model.modules()) else "")
+                         + (", and 'experts' for the stacked MoE experts" if any(isinstance(m, (Experts, GptOssExperts)) for m in model.modules()) else "")
                          + f".{hint}")
     names = [n for n in linear if _matches(n, targets)]
     if "lm_head" in names:
@@ -136,6 +139,9 @@ def quantize_base(model: nn.Module,
                   skip=("lm_head",),            # module names (or suffixes) left in full precision
                   ) -> nn.Module:
     "QLoRA: store the frozen weights of the linear layers and of MoE experts in NF4, dequantized on the fly."
+    if any(isinstance(m, GptOssExperts) for m in model.modules()):
+        raise ValueError("QLoRA of gpt-oss's experts (NF4 with biases and the clamped SwiGLU) is not supported; use LoRA in bf16 "
+                         "(quantize_base=False), or LoRA on attention with the experts frozen.")
     embeds = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for n, m in list(model.named_modules()):
         if _matches(n, skip) or ".lora_" in n or n.startswith("lora_"): continue
@@ -179,6 +185,13 @@ def merge_lora(model: nn.Module, replace: bool = True) -> nn.Module:
         raise ValueError("merge_lora: NF4 experts cannot be merged in place; use replace=True.")
     for n, m in ex.items():   # in place (reversibly), or into plain Experts holding the merged stacked weights
         if not replace: m.merge_(); continue
+        if isinstance(m, LoRAGptOssExperts):
+            with torch.device("meta"): new = GptOssExperts(m.n_experts, *m.down_proj.shape[2:0:-1], m.swiglu_alpha, m.swiglu_limit)
+            for k, v in {**{k: getattr(m, k) for k in ("gate_up_proj_bias", "down_proj_bias")}, **m.merged_weights()}.items():
+                setattr(new, k, nn.Parameter(v.detach(), requires_grad=False))
+            for k in ("gate_up_proj", "down_proj"):
+                if k not in m.adapters: setattr(new, k, getattr(m, k))
+            _replace(model, n, new); continue
         with torch.device("meta"): new = Experts(m.n_experts, m.shapes["gate_proj"][2], m.shapes["gate_proj"][1], m.act)
         for k, v in m.merged_weights().items(): setattr(new, k, nn.Parameter(v, requires_grad=False))
         _replace(model, n, new)

@@ -116,6 +116,8 @@ def _n_params(c: ModelConfig) -> tuple[int, int, int]:
     n_moe = sum(c.is_moe(i) for i in range(L))   # an MoE layer's MLP: a router and three stacked expert tensors, no linears
     lin -= n_moe * 3 * c.dim * c.hidden_dim
     experts = n_moe * c.n_experts * c.dim * (1 + 3 * (c.moe_hidden_dim or 0))
+    oss = c.arch == "gpt_oss"   # gpt-oss: router and expert biases, a sink per head; gate_up_proj is one tensor with its bias
+    if oss: experts += n_moe * (c.n_experts * (1 + 2 * c.moe_hidden_dim + c.dim) + c.n_heads)
     biases = sum(o for ls in per for _, o, b in ls if b)
     n_lin = [i for i in range(L) if c.is_linear(i)]   # DeltaNet: conv kernel, dt_bias, A_log, gated norm; no q/k norms
     conv = 2 * c.linear_key_heads * c.linear_key_head_dim + c.linear_value_heads * c.linear_value_head_dim
@@ -125,7 +127,7 @@ def _n_params(c: ModelConfig) -> tuple[int, int, int]:
     embed = c.vocab_size * c.dim * (1 if c.tie_embeddings else 2)
     tensors = (sum(len(ls) + sum(b for *_, b in ls) for ls in per) + L * n_norms + (qk and 2 * (L - len(n_lin)))
                + 4 * len(n_lin) + 2 + (0 if c.tie_embeddings else 1))
-    return lin, lin + biases + norms + embed + experts + dn, tensors + n_moe
+    return lin, lin + biases + norms + embed + experts + dn, tensors + n_moe * (4 if oss else 1)
 
 def _deltanet_acts(c: ModelConfig, tok: int, wb: int) -> int:
     "Saved activations of one Gated DeltaNet mixer: projections and conv in the compute dtype, the chunked rule's fp32 buffers."
@@ -170,14 +172,17 @@ def rough_estimate(cfg: ModelConfig, method="lora", batch_size=1, seq_len=2048, 
             if method == "dora": raise ValueError("DoRA on MoE experts is not supported; lora_experts needs method lora or qlora.")
             trainable += n_moe * E * lora_rank * (2 * d + 3 * I); n_tensors += 4 * n_moe
             biggest = max(biggest, E * lora_rank * max(2 * I, d) if n_moe else 0)
-    quant = lin + (n_moe * E * 3 * d * I if method == "qlora" else 0)   # QLoRA stores the stacked experts in NF4 too
+    if method == "qlora" and cfg.arch == "gpt_oss":
+        raise ValueError("QLoRA of gpt-oss's experts is not supported (quantize_base refuses it); use method='lora'.")
+    quant = lin + (n_moe * E * 3 * d * I if method == "qlora" and cfg.arch != "gpt_oss" else 0)   # QLoRA stores the stacked experts in NF4 too
     params = (total - quant) * wb + (quant * (0.5 + 4 / 64) if method == "qlora" else quant * wb)
     if method != "full": params += trainable * wb
     grads = (biggest if optimizer_in_backward else trainable) * wb
     optim = 2 * trainable * wb + 4 * n_tensors
     tok = batch_size * seq_len
     gq = 2 * q if cfg.attn_output_gate else 0   # Qwen3.5's gated attention keeps the gate and the gated output
-    per_layer = [(_deltanet_acts(cfg, tok, wb) if cfg.is_linear(i) else tok * wb * (5 * d + 2 * kv + gq)) + tok * wb * d
+    sink = batch_size * cfg.n_heads * seq_len * (seq_len + 1) * 4 if cfg.attn_sinks else 0   # gpt-oss: explicit fp32 weights, sink column
+    per_layer = [(_deltanet_acts(cfg, tok, wb) if cfg.is_linear(i) else tok * wb * (5 * d + 2 * kv + gq) + sink) + tok * wb * d
                  + _mlp_acts(cfg, i, tok, wb) for i in range(L)]   # saved inputs of norms, projections, the mixer and the MLP
     if activation_checkpointing: acts = (0 if activation_offloading else L * tok * d * wb) + max(per_layer)
     elif activation_offloading: acts = 2 * max(per_layer)
