@@ -16,7 +16,8 @@ __all__ = ['ARCHS', 'LAYER_TYPES', 'BUILDERS', 'qwen3_5_layer_types', 'ModelConf
            'qwen3_30b_a3b', 'qwen3_235b_a22b', 'get_config']
 
 # %% ../nbs/01_decoder.ipynb #e1dd86f0
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "smollm3", "qwen3_moe", "qwen3_5_text")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "smollm3", "qwen3_moe", "qwen3_5_text",
+         "mixtral", "olmoe", "qwen3_5_moe_text")
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 
 def qwen3_5_layer_types(n_layers: int, interval: int = 4) -> list[str]:
@@ -66,11 +67,12 @@ class ModelConfig:
     linear_key_head_dim: int = 128      # HF: linear_key_head_dim
     linear_value_head_dim: int = 128    # HF: linear_value_head_dim
     linear_conv_kernel: int = 4         # width of its causal depthwise convolution (HF: linear_conv_kernel_dim)
+    shared_expert_dim: int = 0          # inner size of a shared expert beside the routed ones, 0 = none (HF: shared_expert_intermediate_size)
 
     def __post_init__(self):
         if self.head_dim is None: self.head_dim = self.dim // self.n_heads
         if self.arch not in ARCHS: raise ValueError(f"arch={self.arch!r} is not one of {ARCHS}")
-        if self.arch == "qwen3_5_text" and self.layer_types is None: self.layer_types = qwen3_5_layer_types(self.n_layers)
+        if self.arch in ("qwen3_5_text", "qwen3_5_moe_text") and self.layer_types is None: self.layer_types = qwen3_5_layer_types(self.n_layers)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         if self.rotary_dim % 2: raise ValueError(f"the rotated width {self.rotary_dim} (head_dim={self.head_dim} x "
@@ -95,6 +97,8 @@ class ModelConfig:
             if not self.moe_hidden_dim or self.decoder_sparse_step < 1:
                 raise ValueError(f"an MoE config needs moe_hidden_dim > 0 and decoder_sparse_step >= 1; got "
                                  f"moe_hidden_dim={self.moe_hidden_dim}, decoder_sparse_step={self.decoder_sparse_step}")
+        if self.shared_expert_dim and not self.n_experts:
+            raise ValueError(f"shared_expert_dim={self.shared_expert_dim} needs routed experts (n_experts > 0) beside it.")
 
     @property
     def rotary_dim(self) -> int:
