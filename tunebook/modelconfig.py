@@ -13,7 +13,7 @@ __all__ = ['ARCHS', 'LAYER_TYPES', 'BUILDERS', 'qwen3_5_layer_types', 'ModelConf
            'llama3_1_70b', 'qwen2_5_0_5b', 'qwen2_5_1_5b', 'qwen2_5_7b', 'smollm2_135m', 'smollm2_360m', 'pico',
            'qwen3_0_6b', 'qwen3_1_7b', 'qwen3_4b', 'qwen3_8b', 'gemma3_layer_types', 'gemma3_270m', 'gemma3_1b',
            'gemma3_4b', 'mistral_7b_v0_3', 'phi3_mini', 'phi4_mini', 'smollm3_no_rope_layers', 'smollm3_3b',
-           'qwen3_30b_a3b', 'qwen3_235b_a22b', 'get_config']
+           'qwen3_30b_a3b', 'qwen3_235b_a22b', 'mixtral_8x7b', 'olmoe_1b_7b', 'get_config']
 
 # %% ../nbs/01_decoder.ipynb #e1dd86f0
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "smollm3", "qwen3_moe", "qwen3_5_text",
@@ -193,13 +193,25 @@ _QWEN3_MOE = {**_QWEN3, **dict(arch="qwen3_moe", n_experts=128, experts_per_toke
 def qwen3_30b_a3b(**kw):   return ModelConfig(**{**_QWEN3_MOE, **dict(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, hidden_dim=6144, moe_hidden_dim=768), **kw})
 def qwen3_235b_a22b(**kw): return ModelConfig(**{**_QWEN3_MOE, **dict(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, hidden_dim=12288, moe_hidden_dim=1536), **kw})
 
+# the config.json of mistralai/Mixtral-8x7B-v0.1 (8 experts of the 14336-wide MLP, 2 per token, renormalised; no sliding window)
+# and of allenai/OLMoE-1B-7B-0924 (64 experts of width 1024, 8 per token, not renormalised; q/k norms over the whole projection)
+def mixtral_8x7b(**kw): return ModelConfig(**{**dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336,
+                                                     max_seq_len=32768, rope_theta=1000000.0, norm_eps=1e-5, arch="mixtral", bos_token_id=1,
+                                                     eos_token_id=2, n_experts=8, experts_per_token=2, moe_hidden_dim=14336,
+                                                     norm_topk_prob=True, router_aux_loss_coef=0.02, mlp_only_layers=[]), **kw})
+def olmoe_1b_7b(**kw): return ModelConfig(**{**dict(vocab_size=50304, dim=2048, n_layers=16, n_heads=16, n_kv_heads=16, hidden_dim=1024,
+                                                    max_seq_len=4096, rope_theta=10000.0, norm_eps=1e-5, arch="olmoe", qk_norm=True,
+                                                    eos_token_id=50279, pad_token_id=1, n_experts=64, experts_per_token=8, moe_hidden_dim=1024,
+                                                    norm_topk_prob=False, router_aux_loss_coef=0.01, mlp_only_layers=[]), **kw})
+
 BUILDERS = {"llama3.2-1b": llama3_2_1b, "llama3.2-3b": llama3_2_3b, "llama3.1-8b": llama3_1_8b,
             "llama3.1-70b": llama3_1_70b, "qwen2.5-0.5b": qwen2_5_0_5b, "qwen2.5-1.5b": qwen2_5_1_5b,
             "qwen2.5-7b": qwen2_5_7b, "smollm2-135m": smollm2_135m, "smollm2-360m": smollm2_360m,
             "qwen3-0.6b": qwen3_0_6b, "qwen3-1.7b": qwen3_1_7b, "qwen3-4b": qwen3_4b, "qwen3-8b": qwen3_8b,
             "gemma3-270m": gemma3_270m, "gemma3-1b": gemma3_1b, "gemma3-4b": gemma3_4b,
             "mistral-7b-v0.3": mistral_7b_v0_3, "phi3-mini": phi3_mini, "phi4-mini": phi4_mini, "smollm3-3b": smollm3_3b,
-            "qwen3-30b-a3b": qwen3_30b_a3b, "qwen3-235b-a22b": qwen3_235b_a22b, "pico": pico}
+            "qwen3-30b-a3b": qwen3_30b_a3b, "qwen3-235b-a22b": qwen3_235b_a22b, "pico": pico,
+            "mixtral-8x7b": mixtral_8x7b, "olmoe-1b-7b": olmoe_1b_7b}
 
 def get_config(name: str, **overrides) -> ModelConfig:
     "The `ModelConfig` of a named builder; the error lists the known names."
