@@ -260,3 +260,54 @@ def test_config_errors_name_the_problem():
         config_to_hf(config_from_hf({"model_type": "qwen3_5_moe_text", **QWEN35, "num_hidden_layers": 4}).replace(shared_expert_dim=0))
     with pytest.raises(ValueError, match="norm_topk_prob"): config_to_hf(mixtral_8x7b(norm_topk_prob=False))
     with pytest.raises(ValueError, match="shared_expert_dim"): get_config("pico", shared_expert_dim=8)
+
+
+# LoRA: attention, the shared expert's linears and per-expert adapters on the stacked experts, in peft 0.18's format both ways
+LORA = {"mixtral": ("q_proj", "v_proj", "experts"), "olmoe": ("q_proj", "o_proj", "experts"),
+        "qwen3_5_moe": ("all-linear", "experts")}   # all-linear: attention, DeltaNet projections, shared expert and its gate
+
+
+def _randomise_B(model, std=0.1, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n: p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+@pytest.mark.parametrize("name", MAIN)
+def test_our_adapter_loads_in_peft_and_merges_exactly(tmp_path, name):
+    import peft
+    from tunebook.lora import apply_lora, expert_lora_modules, lora_modules, merge_lora, save_adapter
+    hf = hf_family(name); hf.save_pretrained(tmp_path / "base")
+    ours = apply_lora(load_hf(tmp_path / "base"), rank=4, alpha=8, targets=LORA[name]).eval()
+    assert len(expert_lora_modules(ours)) == hf.config.num_hidden_layers
+    if name == "qwen3_5_moe":
+        assert {"layers.0.mlp.shared_expert.up_proj", "layers.0.mlp.shared_expert_gate"} <= set(lora_modules(ours))
+    _randomise_B(ours)
+    save_adapter(ours, tmp_path / "ad")
+    pm = peft.PeftModel.from_pretrained(hf, tmp_path / "ad").eval()
+    ids = _tokens(2, 11)
+    with torch.no_grad():
+        mine = ours(ids)
+        diff = (mine - pm(ids).logits).abs().max().item()
+        with pm.disable_adapter(): moved = (mine - pm(ids).logits).abs().max().item()
+        merged = (merge_lora(ours)(ids) - mine).abs().max().item()
+    assert diff <= 1e-5 and moved > 1e-3 and merged <= 1e-5, (diff, moved, merged)
+
+
+@pytest.mark.parametrize("name", MAIN)
+def test_peft_adapter_loads_in_tunebook(tmp_path, name):
+    import copy
+    import peft
+    from tunebook.lora import expert_lora_modules, load_adapter
+    hf = hf_family(name); hf.save_pretrained(tmp_path / "base")
+    tm = ["q_proj", "shared_expert.down_proj", "shared_expert_gate"] if name == "qwen3_5_moe" else ["q_proj", "k_proj"]
+    pm = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=3, lora_alpha=5, target_modules=tm,
+                                                                 target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])).eval()
+    _randomise_B(pm)
+    pm.save_pretrained(tmp_path / "ad")
+    ours = load_adapter(load_hf(tmp_path / "base"), tmp_path / "ad").eval()
+    assert len(expert_lora_modules(ours)) == hf.config.num_hidden_layers
+    ids = _tokens(2, 11)
+    with torch.no_grad(): diff = (ours(ids) - pm(ids).logits).abs().max().item()
+    assert diff <= 1e-5, diff
