@@ -311,3 +311,26 @@ def test_peft_adapter_loads_in_tunebook(tmp_path, name):
     ids = _tokens(2, 11)
     with torch.no_grad(): diff = (ours(ids) - pm(ids).logits).abs().max().item()
     assert diff <= 1e-5, diff
+
+
+def _small_cfg(name):
+    return config_from_hf({**FAMILIES[name][1], "model_type": {"Mixtral": "mixtral", "Olmoe": "olmoe", "Qwen3_5Moe": "qwen3_5_moe_text"}[FAMILIES[name][0]]})
+
+
+@pytest.mark.parametrize("name", MAIN + ["qwen3_5_moe-tied"])
+def test_rough_memory_formula_counts_each_family(name):
+    """The rough formula's parameter count (OLMoE's whole-projection q/k norms, the shared expert and its gate) is the
+    model's, and its parameter and optimizer bytes equal the estimator's (which runs the step on shapes), full and LoRA."""
+    from torch import nn
+    from tunebook.memory import estimate, rough_estimate
+    from tunebook.memory.formulas import _n_params
+    cfg = _small_cfg(name)
+    m = build_model(cfg, device="meta", init=False)
+    tensors = list({id(p): p for p in m.parameters()}.values())
+    block_w = sum(mod.weight.numel() for layer in m.layers for mod in layer.modules() if isinstance(mod, nn.Linear))
+    assert _n_params(cfg) == (block_w, count_params(m), len(tensors))
+    for method in ("full", "lora"):
+        kw = dict(method=method, batch_size=2, seq_len=128, dtype="fp32", lora_rank=4)   # the peak in backward
+        rough, est = rough_estimate(cfg, **kw), estimate(cfg, **kw)
+        assert rough.categories["parameters"] == est.categories["parameters"], method
+        assert rough.categories["optimizer"] == est.categories["optimizer"], method

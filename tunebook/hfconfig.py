@@ -82,7 +82,7 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
         text = {**(hf.get("text_config") or {}), "model_type": "qwen3_5_moe_text"}
         return config_from_hf({**text, "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}, source)
     if arch == "qwen3_5_moe_text":  # no dense MLP: every layer is MoE; hidden_dim records the experts' width
-        hf = {**hf, "intermediate_size": hf.get("intermediate_size", hf.get("moe_intermediate_size", 512))}
+        hf = {**hf, "intermediate_size": hf.get("moe_intermediate_size", 512)}
     for k, bad in (("router_jitter_noise", 0.0), ("clip_qkv", None)):   # Mixtral's training noise, OLMoE's clipping
         if hf.get(k, bad) not in (bad, 0):
             raise ValueError(f"{source}: {k}={hf[k]!r} is not supported; set it to {bad!r} (tunebook has no {k}).")
@@ -177,9 +177,9 @@ def _check_family(cfg: ModelConfig):
     if cfg.n_experts and cfg.arch not in _MOE_ARCHS:
         raise ValueError(f"n_experts={cfg.n_experts} cannot be written as a {cls}; the MoE families here are {', '.join(_MOE_ARCHS)}.")
     if cfg.arch in _MOE_ARCHS[1:] and not cfg.n_experts: raise ValueError(f"a {cls} is a mixture of experts; this config has n_experts=0.")
-    if cfg.arch in ("mixtral", "olmoe") and cfg.moe_hidden_dim != cfg.hidden_dim:
-        raise ValueError(f"a {cls}'s experts have intermediate_size inner width; this config has moe_hidden_dim={cfg.moe_hidden_dim}, "
-                         f"hidden_dim={cfg.hidden_dim}: make them equal.")
+    if cfg.arch in ("mixtral", "olmoe", "qwen3_5_moe_text") and cfg.moe_hidden_dim != cfg.hidden_dim:
+        raise ValueError(f"a {cls} has no dense MLP, and hidden_dim is its experts' width; this config has moe_hidden_dim="
+                         f"{cfg.moe_hidden_dim}, hidden_dim={cfg.hidden_dim}: make them equal.")
     if cfg.arch == "olmoe" and cfg.head_dim * cfg.n_heads != cfg.dim:
         raise ValueError(f"an {cls} has head_dim = hidden_size / num_attention_heads ({cfg.dim // cfg.n_heads}); this config has {cfg.head_dim}.")
     if cfg.arch == "qwen3_5_moe_text" and not cfg.shared_expert_dim:
