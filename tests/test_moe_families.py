@@ -317,7 +317,7 @@ def _small_cfg(name):
     return config_from_hf({**FAMILIES[name][1], "model_type": {"Mixtral": "mixtral", "Olmoe": "olmoe", "Qwen3_5Moe": "qwen3_5_moe_text"}[FAMILIES[name][0]]})
 
 
-@pytest.mark.parametrize("name", MAIN + ["qwen3_5_moe-tied"])
+@pytest.mark.parametrize("name", ["mixtral", "olmoe", "qwen3_5_moe-tied"])   # the last: DeltaNet and attention, shared experts
 def test_rough_memory_formula_counts_each_family(name):
     """The rough formula's parameter count (OLMoE's whole-projection q/k norms, the shared expert and its gate) is the
     model's, and its parameter and optimizer bytes equal the estimator's (which runs the step on shapes), full and LoRA."""
@@ -330,7 +330,8 @@ def test_rough_memory_formula_counts_each_family(name):
     block_w = sum(mod.weight.numel() for layer in m.layers for mod in layer.modules() if isinstance(mod, nn.Linear))
     assert _n_params(cfg) == (block_w, count_params(m), len(tensors))
     for method in ("full", "lora"):
-        kw = dict(method=method, batch_size=2, seq_len=128, dtype="fp32", lora_rank=4)   # the peak in backward
+        # a batch large enough that the estimator's peak falls in backward, not in the optimizer step's temporaries
+        kw = dict(method=method, batch_size=1 if "qwen3_5" in name else 2, seq_len=32 if "qwen3_5" in name else 128, dtype="fp32", lora_rank=4)
         rough, est = rough_estimate(cfg, **kw), estimate(cfg, **kw)
         assert rough.categories["parameters"] == est.categories["parameters"], method
         assert rough.categories["optimizer"] == est.categories["optimizer"], method
