@@ -264,7 +264,7 @@ def test_config_errors_name_the_problem():
 
 # LoRA: attention, the shared expert's linears and per-expert adapters on the stacked experts, in peft 0.18's format both ways
 LORA = {"mixtral": ("q_proj", "v_proj", "experts"), "olmoe": ("q_proj", "o_proj", "experts"),
-        "qwen3_5_moe": ("all-linear", "experts")}   # all-linear: attention, DeltaNet projections, shared expert and its gate
+        "qwen3_5_moe": ("all-linear", "experts")}   # all-linear: attention, DeltaNet projections, the shared expert (not its gate)
 
 
 def _randomise_B(model, std=0.1, seed=1):
@@ -282,7 +282,7 @@ def test_our_adapter_loads_in_peft_and_merges_exactly(tmp_path, name):
     ours = apply_lora(load_hf(tmp_path / "base"), rank=4, alpha=8, targets=LORA[name]).eval()
     assert len(expert_lora_modules(ours)) == hf.config.num_hidden_layers
     if name == "qwen3_5_moe":
-        assert {"layers.0.mlp.shared_expert.up_proj", "layers.0.mlp.shared_expert_gate"} <= set(lora_modules(ours))
+        assert "layers.0.mlp.shared_expert.up_proj" in lora_modules(ours) and "layers.0.mlp.shared_expert_gate" not in lora_modules(ours)
     _randomise_B(ours)
     save_adapter(ours, tmp_path / "ad")
     pm = peft.PeftModel.from_pretrained(hf, tmp_path / "ad").eval()
@@ -335,3 +335,32 @@ def test_rough_memory_formula_counts_each_family(name):
         rough, est = rough_estimate(cfg, **kw), estimate(cfg, **kw)
         assert rough.categories["parameters"] == est.categories["parameters"], method
         assert rough.categories["optimizer"] == est.categories["optimizer"], method
+
+
+def test_a_qwen3_5_moe_lora_fine_tune_learns_with_the_balancing_loss_on(tmp_path):
+    """LoRA (rank 8) on attention, DeltaNet, the shared expert and every routed expert of a random Qwen3.5-MoE, 40 steps on
+    the embedded task with the balancing loss on (coef 0.05, logged as router_aux_loss): the held-out loss falls (measured
+    5.61 -> 5.12; the random embeddings and lm_head stay frozen, so less than a full fine-tune's 2+ nats), and no expert
+    takes more than 40% of the routed (token, slot) pairs in any layer (uniform: 12.5%; measured 31%; the router itself is
+    frozen under LoRA, so the balancing loss acts through the adapted layers before it)."""
+    from tunebook.checkpoint import load_embedded
+    from tunebook.train import TrainConfig, Trainer
+    _, tok = load_embedded()
+    cfg = {**FAMILIES["qwen3_5_moe-tied"][1], "vocab_size": len(tok), "router_aux_loss_coef": 0.05}
+    torch.manual_seed(0)
+    hf = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**cfg))
+    hf.save_pretrained(tmp_path / "m"); tok.save(tmp_path / "m")
+    tr = Trainer(TrainConfig(model=str(tmp_path / "m"), method="lora", dtype="fp32", batch_size=16, max_steps=40, lr=1e-2,
+                             warmup_steps=4, n_train=512, eval_samples=16, lora_rank=8, lora_targets="all-linear,experts",
+                             output_dir=str(tmp_path / "run")))
+    s = tr.fit(progress=False)
+    assert s["eval_loss_after"] < s["eval_loss_before"] - 0.3, s
+    import csv
+    rows = [r for r in csv.DictReader((tmp_path / "run" / "metrics.csv").open()) if r.get("router_aux_loss")]
+    assert rows and all(float(r["router_aux_loss"]) > 0 for r in rows)
+    tr.model.eval()
+    with torch.no_grad(): tr.model(tr.micro_batch(0)["tokens"])
+    k = cfg["num_experts_per_tok"]
+    share = max((torch.bincount(b.router_logits.topk(k, -1).indices.flatten(), minlength=8).float()
+                 / b.router_logits.shape[0] / k).max().item() for b in moe_blocks(tr.model))
+    assert share <= 0.4, share

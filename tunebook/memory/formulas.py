@@ -161,7 +161,9 @@ def rough_estimate(cfg: ModelConfig, method="lora", batch_size=1, seq_len=2048, 
     lin, total, n_tensors = _n_params(cfg)
     n_moe, E, I = sum(cfg.is_moe(i) for i in range(L)), cfg.n_experts or 0, cfg.moe_hidden_dim or 0
     # adapters on every linear ("all-linear"): an MoE layer's experts are no linears, DeltaNet's in_proj_a/b are skipped
-    per_layer = [[l for j, l in enumerate(_block_linears(cfg, i)) if not (cfg.is_linear(i) and j in (2, 3))] for i in range(L)]
+    per_layer = [[l for j, l in enumerate(ls) if not (cfg.is_linear(i) and j in (2, 3))   # nor the shared expert's one-output gate
+                  and not (cfg.is_moe(i) and cfg.shared_expert_dim and j == len(ls) - 1)]
+                 for i, ls in enumerate(_block_linears(cfg, i) for i in range(L))]
     lins = [l for ls in per_layer for l in ls]
     if method == "full": trainable, biggest = total, cfg.vocab_size * d
     else:
