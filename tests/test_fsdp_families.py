@@ -1,6 +1,6 @@
 """FSDP2 on the newer families: a small Qwen3-MoE (stacked expert weights sharded on the expert dimension, the router's
-load-balancing loss summed over ranks) and a small Qwen3.5 (Gated DeltaNet blocks) train on two gloo ranks exactly as
-in one process; a DCP checkpoint two ranks wrote consolidates to a folder transformers loads."""
+load-balancing loss summed over ranks), a small Qwen3.5 (Gated DeltaNet blocks) and a small Qwen3.5-MoE (DeltaNet and
+attention layers with routed and shared experts) train on two gloo ranks exactly as in one process; a DCP checkpoint two ranks wrote consolidates to a folder transformers loads."""
 import pytest
 import torch
 
@@ -20,6 +20,12 @@ FAMILIES = {
     "qwen3_5": ModelConfig(arch="qwen3_5_text", vocab_size=128, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64,
                            head_dim=8, layer_types=["linear_attention", "full_attention"], linear_key_heads=2,
                            linear_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8),
+    # Qwen3.5-MoE: a DeltaNet and an attention layer, each with 4 routed experts and a sigmoid-gated shared expert
+    "qwen3_5_moe": ModelConfig(arch="qwen3_5_moe_text", vocab_size=128, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=16,
+                               head_dim=8, qk_norm=True, attn_output_gate=True, layer_types=["linear_attention", "full_attention"],
+                               linear_key_heads=2, linear_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                               n_experts=4, experts_per_token=2, moe_hidden_dim=16, norm_topk_prob=True, shared_expert_dim=24,
+                               router_aux_loss_coef=0.5),
 }
 
 
@@ -73,7 +79,7 @@ def train(name, ckpt=None, summed=False):
     return losses, auxes, {k: full(v) for k, v in model.state_dict().items()}, held
 
 
-CASES = [("qwen3_moe", False), ("qwen3_moe", True), ("qwen3_5", False)]
+CASES = [("qwen3_moe", False), ("qwen3_moe", True), ("qwen3_5", False), ("qwen3_5_moe", True)]
 
 
 def train_both(ckpt):
@@ -86,25 +92,27 @@ def two_rank_runs(tmp_path_factory):
     return launch(train_both, nproc=2, args=(str(ckpt),), verbose=False, timeout=HANG), ckpt
 
 
-@pytest.mark.parametrize("name,summed", CASES, ids=["moe-mean", "moe-summed", "qwen3_5"])
+@pytest.mark.parametrize("name,summed", CASES, ids=["moe-mean", "moe-summed", "qwen3_5", "qwen3_5_moe"])
 def test_fsdp_moe_and_deltanet_match_one_process(two_rank_runs, name, summed):
     runs, _ = two_rank_runs
     ref_losses, ref_aux, ref_w, _ = train(name, summed=summed)
     (l0, a0, w0, b0), (l1, a1, w1, b1) = runs[0][name, summed], runs[1][name, summed]
-    # the shard arithmetic of fsdp_memory (3-D expert weights chunked on dim 0) is what each rank holds
-    assert b0 == b1 == fsdp_memory(build_model(FAMILIES[name], device="meta", init=False), 2)["parameters"]
+    # the shard arithmetic of fsdp_memory (3-D expert weights chunked on dim 0) is what the fuller rank holds (Qwen3.5-MoE's
+    # (1, dim) shared-expert gate has its one row on rank 0)
+    assert max(b0, b1) == fsdp_memory(build_model(FAMILIES[name], device="meta", init=False), 2)["parameters"]
+    assert b0 == b1 or name == "qwen3_5_moe"
     assert l0 == l1 and a0 == a1
     torch.testing.assert_close(torch.tensor(l0), torch.tensor(ref_losses), rtol=0, atol=1e-5)
     torch.testing.assert_close(torch.tensor(a0), torch.tensor(ref_aux), rtol=0, atol=1e-6)
-    if name == "qwen3_moe": assert min(ref_aux) > 0
+    if name in ("qwen3_moe", "qwen3_5_moe"): assert min(ref_aux) > 0
     init, moved = build_model(FAMILIES[name]).state_dict(), 0
     for k, v in ref_w.items():
         torch.testing.assert_close(w0[k], v, rtol=0, atol=1e-5, msg=k)
         torch.testing.assert_close(w1[k], v, rtol=0, atol=1e-5, msg=k)
         moved += not torch.equal(v, init.get(k, v))
     assert moved > 0
-    if name == "qwen3_moe":       # every expert's weights and the router moved
-        assert all(not torch.equal(ref_w[k], init[k]) for k in ref_w if "experts" in k or "gate.weight" in k)
+    if name in ("qwen3_moe", "qwen3_5_moe"):   # every expert's weights, the router (and the shared expert) moved
+        assert all(not torch.equal(ref_w[k], init[k]) for k in ref_w if "expert" in k or "gate.weight" in k)
     else:
         assert any("linear_attn" in k and not torch.equal(v, init[k]) for k, v in ref_w.items())
 

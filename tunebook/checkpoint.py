@@ -23,7 +23,7 @@ from .hfconfig import SUPPORTED, config_from_hf, config_to_hf  # the config.json
 _all_ = ['SUPPORTED', 'config_from_hf', 'config_to_hf']
 
 # %% auto #0
-__all__ = ['hf_key', 'our_key', 'text_key', 'hf_tensors', 'our_slot', 'fused_experts', 'expected_tensors', 'unfuse',
+__all__ = ['hf_key', 'our_key', 'text_key', 'hf_tensors', 'family_key', 'our_slot', 'fused_experts', 'expected_tensors', 'unfuse',
            'read_hf_config', 'load_hf', 'publish_dir', 'save_hf', 'load_embedded', 'SUPPORTED', 'config_from_hf',
            'config_to_hf']
 
@@ -50,6 +50,18 @@ def hf_tensors(name: str, p: torch.Tensor, fused: bool = False) -> dict[str, tor
     m = None if fused else _STACKED.fullmatch(name)
     if m is None: return {hf_key(name): p}
     return {hf_key(f"{m[1]}.{e}.{m[2]}.weight"): p[e] for e in range(p.shape[0])}
+
+_MIXTRAL_W = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}   # Mixtral's expert names
+
+def family_key(key: str, arch: str, to_file: bool = True) -> str:
+    "A checkpoint key in its family's spelling (Mixtral: `block_sparse_moe`, experts' w1/w2/w3), or back with `to_file=False`."
+    if arch != "mixtral": return key
+    if to_file:
+        key = key.replace(".mlp.", ".block_sparse_moe.", 1)   # every Mixtral layer is MoE
+        return re.sub(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.", lambda m: f".experts.{m[1]}.{_MIXTRAL_W[m[2]]}.", key)
+    back = {v: k for k, v in _MIXTRAL_W.items()}
+    key = key.replace(".block_sparse_moe.", ".mlp.", 1)
+    return re.sub(r"\.experts\.(\d+)\.(w1|w2|w3)\.", lambda m: f".experts.{m[1]}.{back[m[2]]}.", key)
 
 def our_slot(params: dict, key: str) -> torch.Tensor:
     "The tensor of `params` (ours, by name) that the Hugging Face tensor `key` fills: a parameter, or one expert's slice."
@@ -111,7 +123,7 @@ def load_hf(path, dtype=None, device="cpu") -> Transformer:
     "Load a Hugging Face folder of a supported family (safetensors only) into a `Transformer`."
     root = Path(path)
     cfg, hf = read_hf_config(root, raw=True)
-    multimodal = hf.get("model_type") in ("gemma3", "qwen3_5")   # keep the text decoder, skip the vision tower (and Qwen3.5's mtp.*)
+    multimodal = hf.get("model_type") in ("gemma3", "qwen3_5", "qwen3_5_moe")   # keep the text decoder, skip the vision tower (and Qwen3.5's mtp.*)
     files = _weight_files(root)
     handles = {f: _open(f) for f in files}
     # 3. check names and shapes from the headers alone
@@ -123,6 +135,7 @@ def load_hf(path, dtype=None, device="cpu") -> Transformer:
         for key in h.keys():
             k = text_key(key) if multimodal else key
             if k is None: continue
+            k = family_key(k, cfg.arch, to_file=False)
             if mxfp4 and k.endswith("_scales"): scales_at[k] = f; continue      # read with its blocks
             if mxfp4 and k.endswith("_blocks"):   # (..., rows, G, 16) bytes: the (..., G * 32, rows) weight, dequantised below
                 *lead, rows, G, _ = h.get_slice(key).get_shape()
@@ -135,7 +148,7 @@ def load_hf(path, dtype=None, device="cpu") -> Transformer:
         raise ValueError(f"checkpoint in {root} is missing {len(missing)} tensor(s), e.g. {missing[:3]} "
                          f"(expected shape {tuple(expected[missing[0]])}); it does not match its config.json.")
     extra = [k for k in found if k not in expected and not k.endswith("rotary_emb.inv_freq")
-             and not (cfg.arch == "qwen3_5_text" and k.startswith("mtp."))]   # Qwen3.5's multi-token-prediction head: unused, as in transformers
+             and not (cfg.arch in ("qwen3_5_text", "qwen3_5_moe_text") and k.startswith("mtp."))]   # Qwen3.5's multi-token-prediction head: unused, as in transformers
     if extra:
         raise ValueError(f"checkpoint in {root} has {len(extra)} unexpected tensor(s), e.g. {extra[:3]} in "
                          f"{where[extra[0]].name}; it does not match its config.json.")
@@ -191,7 +204,7 @@ def save_hf(model: Transformer, path, dtype=None, max_shard_size: int = 5 * 2**3
     for n, p in model.named_parameters(remove_duplicate=False):
         if model.config.tie_embeddings and n == "lm_head.weight": continue
         for k, t in hf_tensors(n, p.detach(), fused_experts(model.config)).items():
-            tensors[k] = (t.to(get_dtype(dtype)) if dtype is not None else t).to("cpu").contiguous().clone()
+            tensors[family_key(k, model.config.arch)] = (t.to(get_dtype(dtype)) if dtype is not None else t).to("cpu").contiguous().clone()
     dt = next(iter(tensors.values())).dtype
     shards, cur, size = [], {}, 0
     for k, t in tensors.items():

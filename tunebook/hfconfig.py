@@ -17,7 +17,8 @@ __all__ = ['SUPPORTED', 'config_from_hf', 'config_to_hf']
 SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
              "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
              "smollm3": "SmolLM3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
-             "gpt_oss": "GptOssForCausalLM"}
+             "gpt_oss": "GptOssForCausalLM", "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM",
+             "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 _ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 # GptOssConfig's RoPE when config.json gives none: YaRN stretching a 4096-token training context 32 times
 _GPT_OSS_YARN = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=4096)
@@ -44,15 +45,15 @@ def _rope_from_hf(hf: dict, arch: str, source: str):
         return (full.get("rope_theta", hf.get("rope_theta", 1000000.0)), _scaling(full, source),
                 local.get("rope_theta", hf.get("rope_local_base_freq", 10000.0)), 1.0)
     if arch == "gpt_oss" and not rp and not hf.get("rope_scaling"): rp = dict(_GPT_OSS_YARN)
-    theta = rp.get("rope_theta", hf.get("rope_theta", 150000.0 if arch == "gpt_oss" else 10000.0))
-    prf = rp.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25 if arch == "qwen3_5_text" else 1.0))
+    theta = rp.get("rope_theta", hf.get("rope_theta", {"gpt_oss": 150000.0, "mixtral": 1000000.0}.get(arch, 10000.0)))   # their configs' defaults
+    prf = rp.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25 if arch in ("qwen3_5_text", "qwen3_5_moe_text") else 1.0))
     return theta, _scaling(rp if len(rp) > ("rope_theta" in rp) + ("partial_rotary_factor" in rp) else hf.get("rope_scaling"), source), None, prf
 
 def _windows(hf: dict, arch: str, n_layers: int):
     "(sliding_window, layer_types) of a config.json."
-    if arch in ("mistral", "phi3"): return hf.get("sliding_window"), None
+    if arch in ("mistral", "phi3", "mixtral"): return hf.get("sliding_window"), None
     if arch == "gpt_oss": return hf.get("sliding_window", 128), hf.get("layer_types") or gpt_oss_layer_types(n_layers)
-    if arch == "qwen3_5_text": return None, hf.get("layer_types") or qwen3_5_layer_types(n_layers, hf.get("full_attention_interval", 4))
+    if arch in ("qwen3_5_text", "qwen3_5_moe_text"): return None, hf.get("layer_types") or qwen3_5_layer_types(n_layers, hf.get("full_attention_interval", 4))
     if arch == "gemma3_text":
         pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
         return hf.get("sliding_window"), hf.get("layer_types") or gemma3_layer_types(n_layers, pattern)
@@ -82,6 +83,14 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     if arch == "qwen3_5":  # Qwen3_5ForConditionalGeneration (the published Qwen3.5 folders): the language model; the top level ties
         text = {**(hf.get("text_config") or {}), "model_type": "qwen3_5_text"}
         return config_from_hf({**text, "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}, source)
+    if arch == "qwen3_5_moe":  # Qwen3_5MoeForConditionalGeneration (the published Qwen3.5-MoE folders): the same
+        text = {**(hf.get("text_config") or {}), "model_type": "qwen3_5_moe_text"}
+        return config_from_hf({**text, "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}, source)
+    if arch == "qwen3_5_moe_text":  # no dense MLP: every layer is MoE; hidden_dim records the experts' width
+        hf = {**hf, "intermediate_size": hf.get("moe_intermediate_size", 512)}
+    for k, bad in (("router_jitter_noise", 0.0), ("clip_qkv", None)):   # Mixtral's training noise, OLMoE's clipping
+        if hf.get(k, bad) not in (bad, 0):
+            raise ValueError(f"{source}: {k}={hf[k]!r} is not supported; set it to {bad!r} (tunebook has no {k}).")
     if arch not in SUPPORTED:
         archs = hf.get("architectures") or [arch]
         raise ValueError(f"{source}: unsupported architecture {archs} (model_type={arch!r}); "
@@ -112,23 +121,23 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
         if scaling.get("factor") is None: scaling["factor"] = hf.get("max_position_embeddings", 4096) / scaling["original_max_position_embeddings"]
     if arch == "qwen3_moe" and hf.get("use_sliding_window"): raise ValueError(f"{source}: use_sliding_window=true is not supported for qwen3_moe.")
     bias = bool(hf.get("attention_bias", arch == "gpt_oss")) and arch in ("llama", "qwen3", "gemma3_text", "smollm3", "qwen3_moe",
-                                                                           "qwen3_5_text", "gpt_oss")
+                                                                           "qwen3_5_text", "gpt_oss", "olmoe", "qwen3_5_moe_text")
     nope = (hf.get("no_rope_layers") or smollm3_no_rope_layers(hf["num_hidden_layers"], hf.get("no_rope_layer_interval", 4))
             if arch == "smollm3" else None)
     return ModelConfig(
         vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
         n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        hidden_dim=hf["intermediate_size"], head_dim=hf.get("head_dim", {"qwen3_5_text": 256, "gpt_oss": 64}.get(arch)),
+        hidden_dim=hf["intermediate_size"], head_dim=hf.get("head_dim", {"qwen3_5_text": 256, "qwen3_5_moe_text": 256, "gpt_oss": 64}.get(arch)),
         max_seq_len=hf.get("max_position_embeddings", 4096), rope_theta=float(theta), rope_scaling=scaling,
         norm_eps=hf.get("rms_norm_eps", 1e-5 if arch == "gpt_oss" else 1e-6), qkv_bias=True if arch == "qwen2" else bias, o_bias=bias,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), arch=arch,
         bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"),
-        qk_norm=arch in ("qwen3", "gemma3_text", "qwen3_moe", "qwen3_5_text"), sliding_window=window, layer_types=types,
+        qk_norm=arch in ("qwen3", "gemma3_text", "qwen3_moe", "qwen3_5_text", "olmoe", "qwen3_5_moe_text"), sliding_window=window, layer_types=types,
         rope_local_theta=None if local_theta is None else float(local_theta),
         query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256) if gemma else None,
         partial_rotary_factor=float(prf), hidden_act=act, final_softcap=hf.get("final_logit_softcapping") if gemma else None,
-        no_rope_layers=nope, **(_moe_from_hf(hf) if arch == "qwen3_moe" else {}), **(_linear_from_hf(hf) if arch == "qwen3_5_text" else {}),
-        **(_gpt_oss_from_hf(hf) if arch == "gpt_oss" else {}))
+        no_rope_layers=nope, **(_moe_from_hf(hf) if arch == "qwen3_moe" else {}), **(_linear_from_hf(hf) if arch in ("qwen3_5_text", "qwen3_5_moe_text") else {}),
+        **_family_moe_from_hf(hf, arch), **(_gpt_oss_from_hf(hf) if arch == "gpt_oss" else {}))
 
 def _gpt_oss_from_hf(hf: dict) -> dict:
     "gpt-oss's MoE fields (its experts are intermediate_size wide); absent ones take GptOssConfig's defaults, as transformers does."
@@ -141,6 +150,17 @@ def _linear_from_hf(hf: dict) -> dict:
     return dict(attn_output_gate=True, linear_key_heads=hf.get("linear_num_key_heads", 16), linear_value_heads=hf.get("linear_num_value_heads", 32),
                 linear_key_head_dim=hf.get("linear_key_head_dim", 128), linear_value_head_dim=hf.get("linear_value_head_dim", 128),
                 linear_conv_kernel=hf.get("linear_conv_kernel_dim", 4))
+
+def _family_moe_from_hf(hf: dict, arch: str) -> dict:
+    "The MoE fields of Mixtral, OLMoE and Qwen3.5-MoE (every layer sparse); absent ones take each config class's defaults."
+    if arch not in ("mixtral", "olmoe", "qwen3_5_moe_text"): return {}
+    qwen = arch == "qwen3_5_moe_text"
+    return dict(n_experts=hf.get("num_local_experts" if arch == "mixtral" else "num_experts", 8 if arch == "mixtral" else 64 if arch == "olmoe" else 256),
+                experts_per_token=hf.get("num_experts_per_tok", 2 if arch == "mixtral" else 8),
+                moe_hidden_dim=hf.get("moe_intermediate_size", 512) if qwen else hf["intermediate_size"],   # Mixtral, OLMoE: intermediate_size
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)) if arch == "olmoe" else True,        # Mixtral, Qwen3.5-MoE: always
+                router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.01 if arch == "olmoe" else 0.001)),
+                decoder_sparse_step=1, mlp_only_layers=[], shared_expert_dim=hf.get("shared_expert_intermediate_size", 512) if qwen else 0)
 
 def _moe_from_hf(hf: dict) -> dict:
     "The MoE fields of a Qwen3-MoE config.json; absent ones take Qwen3MoeConfig's defaults, as transformers does."
@@ -157,10 +177,16 @@ _FIXED = {"llama": dict(qk_norm=False, hidden_act="silu"), "qwen2": dict(qk_norm
           "phi3": dict(qk_norm=False, hidden_act="silu", qkv_bias=False, o_bias=False),
           "smollm3": dict(qk_norm=False, hidden_act="silu"), "qwen3_moe": dict(qk_norm=True, hidden_act="silu"),
           "qwen3_5_text": dict(qk_norm=True, hidden_act="silu", attn_output_gate=True),
-          "gpt_oss": dict(qk_norm=False, hidden_act="silu", attn_sinks=True)}
+          "gpt_oss": dict(qk_norm=False, hidden_act="silu", attn_sinks=True),
+          "mixtral": dict(qk_norm=False, hidden_act="silu", qkv_bias=False, o_bias=False, norm_topk_prob=True, decoder_sparse_step=1,
+                          mlp_only_layers=[], shared_expert_dim=0),
+          "olmoe": dict(qk_norm=True, hidden_act="silu", decoder_sparse_step=1, mlp_only_layers=[], shared_expert_dim=0),
+          "qwen3_5_moe_text": dict(qk_norm=True, hidden_act="silu", attn_output_gate=True, norm_topk_prob=True, decoder_sparse_step=1,
+                                   mlp_only_layers=[])}
 _ONLY = {"rope_local_theta": ("gemma3_text",), "query_pre_attn_scalar": ("gemma3_text",), "final_softcap": ("gemma3_text",),
-         "layer_types": ("gemma3_text", "qwen2", "qwen3", "smollm3", "qwen3_5_text", "gpt_oss"), "no_rope_layers": ("smollm3",),
-         "sliding_window": ("gemma3_text", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "gpt_oss")}
+         "layer_types": ("gemma3_text", "qwen2", "qwen3", "smollm3", "qwen3_5_text", "qwen3_5_moe_text", "gpt_oss"), "no_rope_layers": ("smollm3",),
+         "sliding_window": ("gemma3_text", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "mixtral", "gpt_oss")}
+_MOE_ARCHS = ("qwen3_moe", "mixtral", "olmoe", "qwen3_5_moe_text", "gpt_oss")
 
 def _check_family(cfg: ModelConfig):
     cls = SUPPORTED[cfg.arch]
@@ -169,13 +195,21 @@ def _check_family(cfg: ModelConfig):
     for k, archs in _ONLY.items():
         if getattr(cfg, k) is not None and cfg.arch not in archs:
             raise ValueError(f"{k}={getattr(cfg, k)!r} cannot be written as a {cls}; families that have it: {', '.join(archs)}.")
-    if cfg.n_experts and cfg.arch not in ("qwen3_moe", "gpt_oss"):
-        raise ValueError(f"n_experts={cfg.n_experts} cannot be written as a {cls}; the MoE families here are qwen3_moe and gpt_oss.")
-    if cfg.partial_rotary_factor != 1.0 and cfg.arch not in ("phi3", "qwen3_5_text"):
+    if cfg.n_experts and cfg.arch not in _MOE_ARCHS:
+        raise ValueError(f"n_experts={cfg.n_experts} cannot be written as a {cls}; the MoE families here are {', '.join(_MOE_ARCHS)}.")
+    if cfg.arch in _MOE_ARCHS[1:] and not cfg.n_experts: raise ValueError(f"a {cls} is a mixture of experts; this config has n_experts=0.")
+    if cfg.arch in ("mixtral", "olmoe", "qwen3_5_moe_text") and cfg.moe_hidden_dim != cfg.hidden_dim:
+        raise ValueError(f"a {cls} has no dense MLP, and hidden_dim is its experts' width; this config has moe_hidden_dim="
+                         f"{cfg.moe_hidden_dim}, hidden_dim={cfg.hidden_dim}: make them equal.")
+    if cfg.arch == "olmoe" and cfg.head_dim * cfg.n_heads != cfg.dim:
+        raise ValueError(f"an {cls} has head_dim = hidden_size / num_attention_heads ({cfg.dim // cfg.n_heads}); this config has {cfg.head_dim}.")
+    if cfg.arch == "qwen3_5_moe_text" and not cfg.shared_expert_dim:
+        raise ValueError(f"a {cls} has a shared expert in every layer; set shared_expert_dim > 0.")
+    if cfg.partial_rotary_factor != 1.0 and cfg.arch not in ("phi3", "qwen3_5_text", "qwen3_5_moe_text"):
         raise ValueError(f"partial_rotary_factor={cfg.partial_rotary_factor} cannot be written as a {cls} (only phi3 and qwen3_5_text have it).")
-    if cfg.arch != "qwen3_5_text" and (cfg.attn_output_gate or "linear_attention" in (cfg.layer_types or [])):
+    if cfg.arch not in ("qwen3_5_text", "qwen3_5_moe_text") and (cfg.attn_output_gate or "linear_attention" in (cfg.layer_types or [])):
         raise ValueError(f"attention output gates and linear_attention layers cannot be written as a {cls}; the family that has them is qwen3_5_text.")
-    if cfg.arch in ("llama", "qwen3", "gemma3_text", "smollm3", "qwen3_moe", "qwen3_5_text", "gpt_oss") and cfg.qkv_bias != cfg.o_bias:
+    if cfg.arch in ("llama", "qwen3", "gemma3_text", "smollm3", "qwen3_moe", "qwen3_5_text", "olmoe", "qwen3_5_moe_text", "gpt_oss") and cfg.qkv_bias != cfg.o_bias:
         raise ValueError(f"a {cls} checkpoint biases all of q, k, v and o or none (attention_bias); this config has "
                          f"qkv_bias={cfg.qkv_bias}, o_bias={cfg.o_bias}: use arch='qwen2' for q/k/v bias alone.")
 
@@ -191,14 +225,15 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
           "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": dtype_name(dtype),
           "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
           "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True}
-    if cfg.arch in ("llama", "qwen3", "gemma3_text", "smollm3", "qwen3_moe", "qwen3_5_text", "gpt_oss"): hf.update(attention_bias=cfg.qkv_bias)
+    if cfg.arch in ("llama", "qwen3", "gemma3_text", "smollm3", "qwen3_moe", "qwen3_5_text", "olmoe", "qwen3_5_moe_text", "gpt_oss"):
+        hf.update(attention_bias=cfg.qkv_bias)
     if cfg.arch == "gpt_oss":
         hf.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token, router_aux_loss_coef=cfg.router_aux_loss_coef,
                   output_router_logits=False, sliding_window=cfg.sliding_window, layer_types=list(cfg.layer_types or []) or None,
                   swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha,
                   rope_parameters={"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta})
         hf.pop("rope_scaling")   # transformers 5's spelling alone: rope_parameters
-    if cfg.arch == "qwen3_5_text":
+    if cfg.arch in ("qwen3_5_text", "qwen3_5_moe_text"):
         if cfg.rope_scaling: raise ValueError(f"rope_scaling={cfg.rope_scaling!r} cannot be written as a {cls} here (plain RoPE only).")
         hf.update(layer_types=list(cfg.layer_types), linear_num_key_heads=cfg.linear_key_heads, linear_num_value_heads=cfg.linear_value_heads,
                   linear_key_head_dim=cfg.linear_key_head_dim, linear_value_head_dim=cfg.linear_value_head_dim,
@@ -209,6 +244,17 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
                   norm_topk_prob=cfg.norm_topk_prob, router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=False,
                   decoder_sparse_step=cfg.decoder_sparse_step, mlp_only_layers=list(cfg.mlp_only_layers or []),
                   use_sliding_window=False, sliding_window=None)
+    if cfg.arch == "mixtral":
+        hf.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token, router_aux_loss_coef=cfg.router_aux_loss_coef,
+                  output_router_logits=False, router_jitter_noise=0.0, sliding_window=cfg.sliding_window)
+    if cfg.arch == "olmoe":
+        hf.update(num_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token, norm_topk_prob=cfg.norm_topk_prob,
+                  router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=False, clip_qkv=None)
+    if cfg.arch == "qwen3_5_moe_text":
+        del hf["intermediate_size"]
+        hf.update(num_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token, moe_intermediate_size=cfg.moe_hidden_dim,
+                  shared_expert_intermediate_size=cfg.shared_expert_dim, router_aux_loss_coef=cfg.router_aux_loss_coef,
+                  output_router_logits=False)
     if cfg.arch in ("llama", "smollm3"): hf.update(mlp_bias=False)
     if cfg.arch == "smollm3": hf.update(no_rope_layers=cfg.no_rope_layers or [1] * cfg.n_layers)
     if cfg.arch in ("mistral", "phi3"): hf.update(sliding_window=cfg.sliding_window)

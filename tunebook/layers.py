@@ -17,7 +17,7 @@ from .attention import RMSNorm
 
 
 # %% auto #0
-__all__ = ['ACTIVATIONS', 'FeedForward', 'FusedFeedForward', 'TransformerBlock', 'SandwichBlock', 'round_to_dtype',
+__all__ = ['ACTIVATIONS', 'FeedForward', 'FusedFeedForward', 'TransformerBlock', 'SandwichBlock', 'FlatRMSNorm', 'round_to_dtype',
            'ScaledEmbedding', 'default_dtype', 'init_weights']
 
 # %% ../nbs/01_decoder.ipynb #97affeae
@@ -76,6 +76,12 @@ class SandwichBlock(TransformerBlock):
     def _forward(self, x, cos, sin, mask):
         h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask))
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+# %% ../nbs/01_decoder.ipynb #985a7196
+class FlatRMSNorm(RMSNorm):
+    "RMSNorm over all heads at once (OLMoE's q_norm / k_norm): `(..., heads, head_dim)` flattened, normalised, split back."
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., heads, head_dim), weight of heads * head_dim
+        return super().forward(x.flatten(-2)).view(x.shape)
 
 # %% ../nbs/01_decoder.ipynb #d396bfea
 def round_to_dtype(x: float, dtype: torch.dtype) -> float:

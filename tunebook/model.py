@@ -12,10 +12,10 @@ from .attention import (Attention, DocumentSpans, FusedQKVAttention, GemmaRMSNor
                                 RotaryEmbedding, build_mask)
 from .core import get_dtype
 from .modelconfig import *   # ModelConfig, BUILDERS, get_config and the named builders, re-exported
-from .moe import Experts, MoEFeedForward, TopKRouter, moe_aux_loss
+from .moe import Experts, MoEFeedForward, SharedExpertMoE, TopKRouter, moe_aux_loss
 from .deltanet import DeltaNetBlock, GatedDeltaNet
 from .gptoss import GptOssExperts, GptOssMoE, SinkAttention, TopKSoftmaxRouter
-from .layers import (FeedForward, FusedFeedForward, SandwichBlock, ScaledEmbedding, TransformerBlock,
+from .layers import (FeedForward, FlatRMSNorm, FusedFeedForward, SandwichBlock, ScaledEmbedding, TransformerBlock,
                              default_dtype, init_weights)
 
 # %% auto #0
@@ -120,19 +120,30 @@ class Transformer(nn.Module):
         return 0 if c is None else c.size
 
 # %% ../nbs/01_decoder.ipynb #dfaf44bd
+def _moe(cfg: ModelConfig) -> MoEFeedForward:
+    "The MoE feed-forward of `cfg`: router and stacked experts, and a sigmoid-gated shared expert where the family has one."
+    D, S = cfg.dim, cfg.shared_expert_dim
+    gate = TopKRouter(D, cfg.n_experts, cfg.experts_per_token, cfg.norm_topk_prob)
+    experts = Experts(cfg.n_experts, D, cfg.moe_hidden_dim, cfg.hidden_act)
+    if not S: return MoEFeedForward(gate, experts)
+    shared = FeedForward(nn.Linear(D, S, bias=False), nn.Linear(D, S, bias=False), nn.Linear(S, D, bias=False), cfg.hidden_act)
+    return SharedExpertMoE(gate, experts, shared, nn.Linear(D, 1, bias=False))
+
 def _block(cfg: ModelConfig, i: int) -> TransformerBlock:
     "Layer `i` of the family `cfg.arch`."
     lin = lambda n_in, n_out, bias=False: nn.Linear(n_in, n_out, bias=bias)
-    Norm = GemmaRMSNorm if cfg.arch in ("gemma3_text", "qwen3_5_text") else RMSNorm   # Qwen3.5's norms are 1 + w too
+    Norm = GemmaRMSNorm if cfg.arch in ("gemma3_text", "qwen3_5_text", "qwen3_5_moe_text") else RMSNorm   # Qwen3.5's norms are 1 + w too
     H, Hkv, hd, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim
     ff = lambda: FeedForward(lin(D, cfg.hidden_dim), lin(D, cfg.hidden_dim), lin(cfg.hidden_dim, D), cfg.hidden_act)
     if cfg.is_linear(i):   # Qwen3.5's Gated DeltaNet layer (tunebook.deltanet)
         dn = GatedDeltaNet(D, cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
                            cfg.linear_conv_kernel, cfg.norm_eps, cfg.hidden_act)
-        return DeltaNetBlock(dn, ff(), Norm(D, cfg.norm_eps), Norm(D, cfg.norm_eps))
+        return DeltaNetBlock(dn, _moe(cfg) if cfg.is_moe(i) else ff(), Norm(D, cfg.norm_eps), Norm(D, cfg.norm_eps))
     kw = dict(sliding_window=cfg.window(i), use_rope=cfg.no_rope_layers is None or bool(cfg.no_rope_layers[i]),
               scale=None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5)
-    if cfg.qk_norm: kw.update(q_norm=Norm(hd, cfg.norm_eps), k_norm=Norm(hd, cfg.norm_eps))
+    if cfg.qk_norm and cfg.arch == "olmoe":   # OLMoE normalises each projection whole, all heads at once
+        kw.update(q_norm=FlatRMSNorm(H * hd, cfg.norm_eps), k_norm=FlatRMSNorm(Hkv * hd, cfg.norm_eps))
+    elif cfg.qk_norm: kw.update(q_norm=Norm(hd, cfg.norm_eps), k_norm=Norm(hd, cfg.norm_eps))
     if cfg.arch == "gpt_oss":   # sinks, biased q/k/v/o, and every layer an MoE of biased experts (tunebook.gptoss)
         attn = SinkAttention(H, Hkv, hd, lin(D, H * hd, cfg.qkv_bias), lin(D, Hkv * hd, cfg.qkv_bias), lin(D, Hkv * hd, cfg.qkv_bias),
                              lin(H * hd, D, cfg.o_bias), **kw)
@@ -147,9 +158,7 @@ def _block(cfg: ModelConfig, i: int) -> TransformerBlock:
         attn = Attention(H, Hkv, hd, lin(D, gate * H * hd, cfg.qkv_bias), lin(D, Hkv * hd, cfg.qkv_bias),
                          lin(D, Hkv * hd, cfg.qkv_bias), lin(H * hd, D, cfg.o_bias), output_gate=cfg.attn_output_gate, **kw)
         mlp = ff()
-    if cfg.is_moe(i):
-        mlp = MoEFeedForward(TopKRouter(D, cfg.n_experts, cfg.experts_per_token, cfg.norm_topk_prob),
-                             Experts(cfg.n_experts, D, cfg.moe_hidden_dim, cfg.hidden_act))
+    if cfg.is_moe(i): mlp = _moe(cfg)
     if cfg.arch == "gemma3_text":
         return SandwichBlock(attn, mlp, *(Norm(D, cfg.norm_eps) for _ in range(4)))
     return TransformerBlock(attn, mlp, Norm(D, cfg.norm_eps), Norm(D, cfg.norm_eps))
@@ -159,7 +168,7 @@ def build_model(config: ModelConfig | str, dtype=None, device=None, init: bool =
     cfg = get_config(config) if isinstance(config, str) else config
     dt, dev = get_dtype(dtype), torch.device(device or "cpu")
     gemma = cfg.arch == "gemma3_text"
-    one_plus_w = cfg.arch in ("gemma3_text", "qwen3_5_text")
+    one_plus_w = cfg.arch in ("gemma3_text", "qwen3_5_text", "qwen3_5_moe_text")
     with default_dtype(dt), dev:
         embed = ScaledEmbedding(cfg.vocab_size, cfg.dim, cfg.dim ** 0.5) if gemma else nn.Embedding(cfg.vocab_size, cfg.dim)
         rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)

@@ -14,10 +14,11 @@ __all__ = ['ARCHS', 'LAYER_TYPES', 'BUILDERS', 'qwen3_5_layer_types', 'gpt_oss_l
            'smollm2_360m', 'pico', 'qwen3_0_6b', 'qwen3_1_7b', 'qwen3_4b', 'qwen3_8b', 'gemma3_layer_types',
            'gemma3_270m', 'gemma3_1b', 'gemma3_4b', 'mistral_7b_v0_3', 'phi3_mini', 'phi4_mini',
            'smollm3_no_rope_layers', 'smollm3_3b', 'qwen3_30b_a3b', 'qwen3_235b_a22b', 'gpt_oss_20b', 'gpt_oss_120b',
-           'get_config']
+           'mixtral_8x7b', 'olmoe_1b_7b', 'get_config']
 
 # %% ../nbs/01_decoder.ipynb #e1dd86f0
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "smollm3", "qwen3_moe", "qwen3_5_text", "gpt_oss")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "smollm3", "qwen3_moe", "qwen3_5_text", "gpt_oss",
+         "mixtral", "olmoe", "qwen3_5_moe_text")
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 
 def qwen3_5_layer_types(n_layers: int, interval: int = 4) -> list[str]:
@@ -74,11 +75,12 @@ class ModelConfig:
     attn_sinks: bool = False            # a learned logit per head joins each attention softmax (gpt-oss)
     swiglu_limit: float | None = None   # experts' clamped SwiGLU: the clamp of gate (above) and up (both sides) (gpt-oss: 7.0)
     swiglu_alpha: float = 1.702         # its sigmoid gain
+    shared_expert_dim: int = 0          # inner size of a shared expert beside the routed ones, 0 = none (HF: shared_expert_intermediate_size)
 
     def __post_init__(self):
         if self.head_dim is None: self.head_dim = self.dim // self.n_heads
         if self.arch not in ARCHS: raise ValueError(f"arch={self.arch!r} is not one of {ARCHS}")
-        if self.arch == "qwen3_5_text" and self.layer_types is None: self.layer_types = qwen3_5_layer_types(self.n_layers)
+        if self.arch in ("qwen3_5_text", "qwen3_5_moe_text") and self.layer_types is None: self.layer_types = qwen3_5_layer_types(self.n_layers)
         if self.arch == "gpt_oss" and self.layer_types is None and self.sliding_window: self.layer_types = gpt_oss_layer_types(self.n_layers)
         if self.arch == "gpt_oss" and not (self.n_experts and self.attn_sinks and self.swiglu_limit):
             raise ValueError("a gpt_oss config needs n_experts > 0, attn_sinks=True and swiglu_limit set (gpt-oss: 7.0); "
@@ -113,6 +115,8 @@ class ModelConfig:
             if not self.moe_hidden_dim or self.decoder_sparse_step < 1:
                 raise ValueError(f"an MoE config needs moe_hidden_dim > 0 and decoder_sparse_step >= 1; got "
                                  f"moe_hidden_dim={self.moe_hidden_dim}, decoder_sparse_step={self.decoder_sparse_step}")
+        if self.shared_expert_dim and not self.n_experts:
+            raise ValueError(f"shared_expert_dim={self.shared_expert_dim} needs routed experts (n_experts > 0) beside it.")
 
     @property
     def rotary_dim(self) -> int:
@@ -217,6 +221,16 @@ _GPT_OSS = dict(arch="gpt_oss", vocab_size=201088, dim=2880, hidden_dim=2880, mo
 def _gpt_oss(**kw): return ModelConfig(**{**_GPT_OSS, "rope_scaling": dict(_GPT_OSS["rope_scaling"]), **kw})   # a dict of its own per config
 def gpt_oss_20b(**kw):  return _gpt_oss(**{**dict(n_layers=24, n_experts=32), **kw})
 def gpt_oss_120b(**kw): return _gpt_oss(**{**dict(n_layers=36, n_experts=128), **kw})
+# the config.json of mistralai/Mixtral-8x7B-v0.1 (8 experts of the 14336-wide MLP, 2 per token, renormalised; no sliding window)
+# and of allenai/OLMoE-1B-7B-0924 (64 experts of width 1024, 8 per token, not renormalised; q/k norms over the whole projection)
+def mixtral_8x7b(**kw): return ModelConfig(**{**dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336,
+                                                     max_seq_len=32768, rope_theta=1000000.0, norm_eps=1e-5, arch="mixtral", bos_token_id=1,
+                                                     eos_token_id=2, n_experts=8, experts_per_token=2, moe_hidden_dim=14336,
+                                                     norm_topk_prob=True, router_aux_loss_coef=0.02, mlp_only_layers=[]), **kw})
+def olmoe_1b_7b(**kw): return ModelConfig(**{**dict(vocab_size=50304, dim=2048, n_layers=16, n_heads=16, n_kv_heads=16, hidden_dim=1024,
+                                                    max_seq_len=4096, rope_theta=10000.0, norm_eps=1e-5, arch="olmoe", qk_norm=True,
+                                                    eos_token_id=50279, pad_token_id=1, n_experts=64, experts_per_token=8, moe_hidden_dim=1024,
+                                                    norm_topk_prob=False, router_aux_loss_coef=0.01, mlp_only_layers=[]), **kw})
 
 BUILDERS = {"llama3.2-1b": llama3_2_1b, "llama3.2-3b": llama3_2_3b, "llama3.1-8b": llama3_1_8b,
             "llama3.1-70b": llama3_1_70b, "qwen2.5-0.5b": qwen2_5_0_5b, "qwen2.5-1.5b": qwen2_5_1_5b,
@@ -225,7 +239,8 @@ BUILDERS = {"llama3.2-1b": llama3_2_1b, "llama3.2-3b": llama3_2_3b, "llama3.1-8b
             "gemma3-270m": gemma3_270m, "gemma3-1b": gemma3_1b, "gemma3-4b": gemma3_4b,
             "mistral-7b-v0.3": mistral_7b_v0_3, "phi3-mini": phi3_mini, "phi4-mini": phi4_mini, "smollm3-3b": smollm3_3b,
             "qwen3-30b-a3b": qwen3_30b_a3b, "qwen3-235b-a22b": qwen3_235b_a22b,
-            "gpt-oss-20b": gpt_oss_20b, "gpt-oss-120b": gpt_oss_120b, "pico": pico}
+            "gpt-oss-20b": gpt_oss_20b, "gpt-oss-120b": gpt_oss_120b, "pico": pico,
+            "mixtral-8x7b": mixtral_8x7b, "olmoe-1b-7b": olmoe_1b_7b}
 
 def get_config(name: str, **overrides) -> ModelConfig:
     "The `ModelConfig` of a named builder; the error lists the known names."

@@ -14,7 +14,7 @@ from .layers import ACTIVATIONS, _act
 
 # %% auto #0
 __all__ = ['SCORES', 'TopKRouter', 'Experts', 'MoEFeedForward', 'load_balancing_loss', 'moe_blocks', 'moe_aux_loss',
-           'count_active_params']
+           'count_active_params', 'SharedExpertMoE']
 
 # %% ../nbs/01_decoder.ipynb #a1e0c004
 SCORES = {"softmax": lambda logits: F.softmax(logits, dim=-1, dtype=torch.float32)}   # router logits -> fp32 scores
@@ -121,3 +121,16 @@ def count_active_params(model: nn.Module) -> int:
         E = b.experts.n_experts
         n -= sum(p.numel() for p in b.experts.parameters()) // E * (E - b.gate.k)
     return n
+
+# %% ../nbs/01_decoder.ipynb #cac38ccb
+class SharedExpertMoE(MoEFeedForward):
+    "An MoE block plus a shared expert every token goes through, scaled by `sigmoid(shared_expert_gate(x))` (Qwen3.5-MoE)."
+    def __init__(self, gate: TopKRouter, experts: Experts, shared_expert: nn.Module, shared_expert_gate: nn.Module):
+        super().__init__(gate, experts)
+        self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
+
+    def shared(self, x):  # (B, T, dim) -> the shared expert's part of the output, gated per token
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+    def forward(self, x):  # (B, T, dim) -> (B, T, dim): routed experts + gated shared expert
+        return super().forward(x) + self.shared(x)

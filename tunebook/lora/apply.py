@@ -24,9 +24,10 @@ __all__ = ['ALL_LINEAR_SKIP', 'lora_modules', 'expert_lora_modules', 'apply_lora
            'disable_adapters', 'remerge_lora']
 
 # %% ../../nbs/06_lora.ipynb #9d4c3c4b
-# "all-linear" leaves out lm_head and Qwen3.5 DeltaNet's per-head scalar gates (decay a, write strength b: one output
-# per value head, often 4-32, narrower than a default rank); name them as targets to adapt them anyway
-ALL_LINEAR_SKIP = ("lm_head", "in_proj_a", "in_proj_b")
+# "all-linear" leaves out lm_head, Qwen3.5 DeltaNet's per-head scalar gates (decay a, write strength b: one output
+# per value head, often 4-32, narrower than a default rank) and Qwen3.5-MoE's shared-expert gate (one output);
+# name them as targets to adapt them anyway
+ALL_LINEAR_SKIP = ("lm_head", "in_proj_a", "in_proj_b", "shared_expert_gate")
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
     "Name -> LoRALinear for every adapter layer in `model`."

@@ -99,6 +99,9 @@ def _block_linears(c: ModelConfig, i: int = 0) -> list[tuple[int, int, bool]]:
     "(in, out, bias) of each linear layer of block `i`, as build_model makes it (Phi-3 fused; Qwen3.5's DeltaNet and gated q)."
     q, kv, d, h = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.dim, c.hidden_dim
     mlp = [(d, h, False), (d, h, False), (h, d, False)]
+    if c.is_moe(i):   # the routed experts are stacked tensors, no linears; a shared expert and its gate are (Qwen3.5-MoE)
+        s = c.shared_expert_dim
+        mlp = [(d, s, False), (d, s, False), (s, d, False), (d, 1, False)] if s else []
     if c.is_linear(i):   # Gated DeltaNet: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj
         vd = c.linear_value_heads * c.linear_value_head_dim
         conv = 2 * c.linear_key_heads * c.linear_key_head_dim + vd
@@ -113,8 +116,7 @@ def _n_params(c: ModelConfig) -> tuple[int, int, int]:
     per = [_block_linears(c, i) for i in range(L)]
     n_norms = 4 if c.arch == "gemma3_text" else 2          # Gemma 3: a norm before and after attention and MLP
     lin = sum(i * o for ls in per for i, o, _ in ls)
-    n_moe = sum(c.is_moe(i) for i in range(L))   # an MoE layer's MLP: a router and three stacked expert tensors, no linears
-    lin -= n_moe * 3 * c.dim * c.hidden_dim
+    n_moe = sum(c.is_moe(i) for i in range(L))   # an MoE layer's MLP: a router and three stacked expert tensors (+ the shared expert's linears)
     experts = n_moe * c.n_experts * c.dim * (1 + 3 * (c.moe_hidden_dim or 0))
     oss = c.arch == "gpt_oss"   # gpt-oss: router and expert biases, a sink per head; gate_up_proj is one tensor with its bias
     if oss: experts += n_moe * (c.n_experts * (1 + 2 * c.moe_hidden_dim + c.dim) + c.n_heads)
@@ -122,12 +124,13 @@ def _n_params(c: ModelConfig) -> tuple[int, int, int]:
     n_lin = [i for i in range(L) if c.is_linear(i)]   # DeltaNet: conv kernel, dt_bias, A_log, gated norm; no q/k norms
     conv = 2 * c.linear_key_heads * c.linear_key_head_dim + c.linear_value_heads * c.linear_value_head_dim
     dn = len(n_lin) * (conv * c.linear_conv_kernel + 2 * c.linear_value_heads + c.linear_value_head_dim)
-    qk = (L - len(n_lin)) * 2 * c.head_dim if c.qk_norm else 0
+    qk_width = (c.n_heads + c.n_kv_heads) * c.head_dim if c.arch == "olmoe" else 2 * c.head_dim   # OLMoE: over the whole projections
+    qk = (L - len(n_lin)) * qk_width if c.qk_norm else 0
     norms = L * n_norms * c.dim + qk + c.dim   # + the final norm
     embed = c.vocab_size * c.dim * (1 if c.tie_embeddings else 2)
     tensors = (sum(len(ls) + sum(b for *_, b in ls) for ls in per) + L * n_norms + (qk and 2 * (L - len(n_lin)))
                + 4 * len(n_lin) + 2 + (0 if c.tie_embeddings else 1))
-    return lin, lin + biases + norms + embed + experts + dn, tensors + n_moe * (4 if oss else 1)
+    return lin, lin + biases + norms + embed + experts + dn, tensors + n_moe * (7 if oss else 4)   # router and three stacked expert tensors (gpt-oss: router and expert biases, the sinks)
 
 def _deltanet_acts(c: ModelConfig, tok: int, wb: int) -> int:
     "Saved activations of one Gated DeltaNet mixer: projections and conv in the compute dtype, the chunked rule's fp32 buffers."
@@ -146,7 +149,8 @@ def _mlp_acts(c: ModelConfig, i: int, tok: int, wb: int) -> int:
     k, E, mh = c.experts_per_token, c.n_experts, c.moe_hidden_dim
     # logits and their fp32 softmax, top-k weights and ids; k routed copies of each token: the gathered input, gate, up,
     # activation and product of the expert intermediate, the expert's output and its weighted copy
-    return tok * (E * (wb + 4) + k * 16) + tok * k * wb * (3 * c.dim + 4 * mh)
+    shared = tok * wb * (3 * c.shared_expert_dim + 2 * c.dim + 1) if c.shared_expert_dim else 0   # its SwiGLU, output, gate
+    return tok * (E * (wb + 4) + k * 16) + tok * k * wb * (3 * c.dim + 4 * mh) + shared
 
 def rough_estimate(cfg: ModelConfig, method="lora", batch_size=1, seq_len=2048, dtype="bf16", lora_rank=16, chunked_ce=0,
                    activation_checkpointing=False, activation_offloading=False, optimizer_in_backward=False,
@@ -159,8 +163,9 @@ def rough_estimate(cfg: ModelConfig, method="lora", batch_size=1, seq_len=2048, 
     lin, total, n_tensors = _n_params(cfg)
     n_moe, E, I = sum(cfg.is_moe(i) for i in range(L)), cfg.n_experts or 0, cfg.moe_hidden_dim or 0
     # adapters on every linear ("all-linear"): an MoE layer's experts are no linears, DeltaNet's in_proj_a/b are skipped
-    per_layer = [_block_linears(cfg, i)[:-3] if cfg.is_moe(i) else
-                 [l for j, l in enumerate(_block_linears(cfg, i)) if not (cfg.is_linear(i) and j in (2, 3))] for i in range(L)]
+    per_layer = [[l for j, l in enumerate(ls) if not (cfg.is_linear(i) and j in (2, 3))   # nor the shared expert's one-output gate
+                  and not (cfg.is_moe(i) and cfg.shared_expert_dim and j == len(ls) - 1)]
+                 for i, ls in enumerate(_block_linears(cfg, i) for i in range(L))]
     lins = [l for ls in per_layer for l in ls]
     if method == "full": trainable, biggest = total, cfg.vocab_size * d
     else:
