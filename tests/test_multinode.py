@@ -70,3 +70,32 @@ def test_nnodes_needs_an_endpoint(model_dir, tmp_path):
     assert r.returncode == 2 and "is not HOST:PORT" in r.stderr, r.stderr[-2000:]
     r = subprocess.run(_argv(model_dir, tmp_path / "o") + ["--nnodes", "3", "--rdzv-endpoint", "h:1"], capture_output=True, text=True)
     assert r.returncode == 2 and "multiple of nnodes x nproc=3" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_hsdp_on_two_nodes_matches_one_process(model_dir, tmp_path):
+    """`--nnodes 2 --nproc-per-node 2 --mesh dp_replicate=2,dp_shard=2`: shards inside each node, a replica per node."""
+    t0 = time.time()
+    r = subprocess.run(_argv(model_dir, tmp_path / "one"), capture_output=True, text=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=HANG)
+    assert r.returncode == 0, r.stderr[-3000:]
+    port = free_port()
+    argv = _argv(model_dir, tmp_path / "hsdp") + ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                                                  "--rdzv-id", f"h{port}", "--mesh", "dp_replicate=2,dp_shard=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for _ in range(2)]
+    for p in procs:
+        assert p.wait(timeout=HANG) == 0, p.stdout.read()[-4000:]
+    one, hsdp = pd.read_csv(tmp_path / "one" / "metrics.csv"), pd.read_csv(tmp_path / "hsdp" / "metrics.csv")
+    assert (one["loss"] - hsdp["loss"]).abs().max() <= 1e-5, (one["loss"].tolist(), hsdp["loss"].tolist())
+    a, b = load_hf(tmp_path / "one" / "model"), load_hf(tmp_path / "hsdp" / "model")
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert max((pa[n] - pb[n]).abs().max().item() for n in pa) <= 1e-5
+    print(f"HSDP 2 nodes x 2 processes vs one process: {time.time() - t0:.0f} s")
+
+
+def test_mesh_options_are_checked(model_dir, tmp_path):
+    r = subprocess.run(_argv(model_dir, tmp_path / "o") + ["--nproc", "2", "--mesh", "dp=1,tp=2"], capture_output=True, text=True)
+    assert r.returncode == 2 and "tensor parallel (dp,tp) runs in your own loop" in r.stderr, r.stderr[-2000:]
+    r = subprocess.run(_argv(model_dir, tmp_path / "o") + ["--nproc", "2", "--mesh", "dp_replicate=2,dp_shard=2"], capture_output=True, text=True)
+    assert r.returncode == 2 and "has 4 ranks but the run starts 2 process(es)" in r.stderr, r.stderr[-2000:]
