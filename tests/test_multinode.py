@@ -99,3 +99,37 @@ def test_mesh_options_are_checked(model_dir, tmp_path):
     assert r.returncode == 2 and "tensor parallel (dp,tp) runs in your own loop" in r.stderr, r.stderr[-2000:]
     r = subprocess.run(_argv(model_dir, tmp_path / "o") + ["--nproc", "2", "--mesh", "dp_replicate=2,dp_shard=2"], capture_output=True, text=True)
     assert r.returncode == 2 and "has 4 ranks but the run starts 2 process(es)" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_killed_two_node_run_resumes(model_dir, tmp_path):
+    """Both nodes killed (SIGKILL) after the step-2 checkpoint; the same command with --resume ends where an
+    uninterrupted run in one process ends (losses of the resumed steps and weights within 1e-5)."""
+    import signal
+    t0 = time.time()
+    steps = ["--max-steps", "5", "--save-every", "2"]
+    r = subprocess.run(_argv(model_dir, tmp_path / "one") + steps, capture_output=True, text=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=HANG)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out, port = tmp_path / "two", free_port()
+    argv = _argv(model_dir, out) + steps + ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                                            "--rdzv-id", f"k{port}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True) for _ in range(2)]
+    deadline = time.time() + HANG
+    while not (out / "checkpoints" / "step_000002").exists() and time.time() < deadline and all(p.poll() is None for p in procs):
+        time.sleep(0.2)
+    assert (out / "checkpoints" / "step_000002").exists(), "no checkpoint at step 2"
+    for p in procs: os.killpg(p.pid, signal.SIGKILL)
+    for p in procs: p.wait()
+    assert not (out / "summary.json").exists()   # killed before the end
+    nodes = _nodes(_argv(model_dir, out) + steps + ["--resume"])
+    for rc, text in nodes: assert rc == 0, text[-4000:]
+    one, two = pd.read_csv(tmp_path / "one" / "metrics.csv"), pd.read_csv(out / "metrics.csv")
+    assert two["step"].tolist()[-3:] == [3, 4, 5] and (two["step"] == 1).sum() == 1   # went on from the checkpoint, not from step 0
+    assert not any("starts at step 0" in text for _, text in nodes)
+    assert (one.set_index("step")["loss"] - two.drop_duplicates("step", keep="last").set_index("step")["loss"]).abs().max() <= 1e-5
+    a, b = load_hf(tmp_path / "one" / "model"), load_hf(out / "model")
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert max((pa[n] - pb[n]).abs().max().item() for n in pa) <= 1e-5
+    print(f"killed and resumed on 2 nodes: {time.time() - t0:.0f} s")
