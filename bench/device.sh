@@ -21,7 +21,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --smoke) SMOKE=1 ;;
     --json) JSON="$2"; shift ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "device.sh: unknown argument '$1' (use --smoke, --json PATH or --help)" >&2; exit 2 ;;
   esac
   shift
