@@ -84,7 +84,9 @@ def train(spec=None, kind="full", save=None):
         opt.step(); opt.zero_grad()
         losses.append(global_mean(s, units) if mesh is not None else (s / units).item())
     if save: save_distributed(save, model, opt)
-    return losses, {k: full(v) for k, v in model.state_dict().items()}
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+    nbytes = sum(local(p).numel() * local(p).element_size() for p in model.parameters())   # this rank's parameter bytes
+    return losses, {k: full(v) for k, v in model.state_dict().items()}, nbytes
 
 
 def on_four(ckpt_dir):
@@ -108,14 +110,24 @@ def four(tmp_path_factory):
 @pytest.mark.parametrize("case", CASES, ids=[f"{s}-{k}" for s, k in CASES])
 def test_mesh_matches_one_process(four, case):
     _, runs = four
-    ref_losses, ref_w = train(None, case[1])
+    ref_losses, ref_w, _ = train(None, case[1])
     init = _model(case[1]).state_dict()
     for rank in range(4):
-        losses, w, secs = runs[rank][case]
+        losses, w, _, secs = runs[rank][case]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=TOL)
         for k, v in ref_w.items(): torch.testing.assert_close(w[k], v, rtol=0, atol=TOL, msg=k)
     assert sum(not torch.equal(v, init[k]) for k, v in ref_w.items()) > 0   # training moved weights
     print(f"{case}: {secs:.1f} s on 4 ranks, losses {losses}")
+
+
+def test_per_rank_estimate_is_what_the_ranks_hold(four):
+    """`fsdp_memory(model, dp, tp=)` (the estimator's per-rank formula) against the parameter bytes each rank holds."""
+    from tunebook.memory import fsdp_memory
+    _, runs = four
+    for spec, tp in (("dp_replicate=2,dp_shard=2", 1), ("dp=2,tp=2", 2)):
+        held = max(runs[r][spec, "full"][2] for r in range(4))
+        assert held == fsdp_memory(_model("full"), 2, tp=tp)["parameters"], (spec, held)
+    assert runs[0]["dp=2,tp=2", "full"][2] < runs[0]["dp_replicate=2,dp_shard=2", "full"][2]   # the projections split 4 ways, HSDP shards them 2 ways
 
 
 def reload(src, dst):
