@@ -3,7 +3,8 @@
 # tools, torchtune 0.6.1 + torchao 0.15.0, transformers, peft, liger-kernel where it installs), run the notebooks'
 # cuda-flagged cells (`nbdev_test --flags cuda`) and `pytest -m cuda`, then bench/bench_device.py: tunebook,
 # torchtune and transformers+peft on a Llama-3.2-1B-shaped model, bf16, eager and compiled, Liger where it
-# imports; a table of tokens/s, allocator peak and MFU, and the same as JSON.
+# imports; a table of tokens/s, allocator peak and MFU, and the same as JSON; with 4+ GPUs, bench/bench_mesh.py's
+# 2-D mesh row (FSDP, HSDP 2 x 2, FSDP 2 x TP 2 with loss parallel; --smoke: 2 gloo ranks).
 #
 #   bash bench/device.sh              # on a CUDA machine (network needed only for what is not installed yet)
 #   bash bench/device.sh --smoke      # on the CPU: tiny shapes, few steps, no installs, under 2 minutes
@@ -33,7 +34,8 @@ if [ "$SMOKE" = 1 ]; then
   PY="${TUNEBOOK_BENCH_PY:-.venv/bin/python}"
   [ -x "$PY" ] || command -v "$PY" >/dev/null || { echo "device.sh --smoke: no python at $PY (make install, or set TUNEBOOK_BENCH_PY)" >&2; exit 2; }
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-  exec "$PY" bench/bench_device.py --smoke --json "$JSON" --budget-s 200
+  "$PY" bench/bench_device.py --smoke --json "$JSON" --budget-s 200 || exit $?
+  exec "$PY" bench/bench_mesh.py --smoke --json "${JSON%.json}_mesh.json"   # the 2-D mesh row: 2 gloo ranks
 fi
 
 START=$(date +%s)
@@ -95,6 +97,12 @@ if [ "$(left)" -gt 90 ]; then  # the mixed mode too (fp32 master weights, bf16 a
   STATUS[bench_mixed]=$([ $rc = 0 ] && echo "ok: $JSON_MIXED" || echo "exit $rc (see above): $JSON_MIXED")
 fi
 
+phase "benchmarks: 2-D mesh (FSDP, HSDP, FSDP x TP with loss parallel)"
+if [ "$(nvidia-smi -L | wc -l)" -ge 4 ] && [ "$(left)" -gt 60 ]; then
+  timeout "$(( $(left) - 10 ))" "$PY" bench/bench_mesh.py --json "${JSON%.json}_mesh.json"; rc=$?
+  STATUS[mesh]=$([ $rc = 0 ] && echo "ok: ${JSON%.json}_mesh.json" || echo "exit $rc (see above)")
+else STATUS[mesh]="skipped: needs 4 GPUs and a minute ($(nvidia-smi -L | wc -l) GPU(s), $(left) s left)"; fi
+
 echo; echo "######## summary ($(( $(date +%s) - START )) s)"
-for k in torch tunebook torchtune liger notebooks pytest bench bench_mixed; do [ -n "${STATUS[$k]:-}" ] && echo "  $k: ${STATUS[$k]}"; done
-case "${STATUS[notebooks]}${STATUS[pytest]}${STATUS[bench]}${STATUS[bench_mixed]:-}" in *FAILED*|*exit*) exit 1 ;; esac
+for k in torch tunebook torchtune liger notebooks pytest bench bench_mixed mesh; do [ -n "${STATUS[$k]:-}" ] && echo "  $k: ${STATUS[$k]}"; done
+case "${STATUS[notebooks]}${STATUS[pytest]}${STATUS[bench]}${STATUS[bench_mixed]:-}${STATUS[mesh]:-}" in *FAILED*|*exit*) exit 1 ;; esac

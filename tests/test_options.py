@@ -240,6 +240,11 @@ SHARED = {
                                    and "peak_bytes" not in [d.train_step() for _ in range(3)][-1]),
     "compile": lambda env: (None, lambda t, d: _compiled(t) and not _compiled(d)),   # every block runs compiled code
     "nproc": lambda env: ("2", "nproc=2"),   # one process here: refused, naming the launcher (tests/test_finetune_nproc runs it)
+    # several machines and meshes: refused in one process, naming what is missing (tests/test_multinode.py runs them)
+    "nnodes": lambda env: ("2", "needs --rdzv-endpoint HOST:PORT"),
+    "rdzv_endpoint": lambda env: ("node001:29500", "set --nnodes too"),
+    "rdzv_id": lambda env: ("myjob", "set --nnodes too"),
+    "mesh": lambda env: ("dp_replicate=2,dp_shard=1", "has 2 ranks but the run starts 1 process(es)"),
     "eval_samples": lambda env: ("1", lambda t, d: len(_evals(t)) == 1 < len(_evals(d))),
     "eval_every": lambda env: ("1", ("run", lambda s, t: [r.get("eval_accuracy") is not None for r in t.metrics] == [True] * t.step)),
     "max_new_tokens": lambda env: ("3", ("spy", "generate", lambda k: k["max_new_tokens"] == 3)),

@@ -24,19 +24,15 @@ from .config.files import add_dataclass_args, add_config_flag   # flags from con
 
 # %% ../nbs/A1_tools.ipynb #1478e36f
 def _launch_torchrun(args) -> int | None:
-    "With --nproc N > 1 outside torchrun: start N processes of this same command; inside: join the group."
+    "With --nproc N > 1 or --nnodes M > 1 outside torchrun: start this same command under torchrun; inside: join the group."
     import os, subprocess
-    if args.nproc <= 1: return None
-    from tunebook.distributed import init_from_env, torchrun_command
-    if "WORLD_SIZE" not in os.environ:
-        # torchrun would read a `--nproc` meant for us as its own (an ambiguous prefix of --nproc-per-node),
-        # so the children get the command without it and learn the count from WORLD_SIZE
-        argv, skip = [], False
-        for a in args.argv:
-            if skip: skip = False; continue
-            if a == "--nproc": skip = True; continue
-            if not a.startswith("--nproc="): argv.append(a)
-        return subprocess.run(torchrun_command(args.nproc, argv=argv)).returncode
+    nnodes = getattr(args, "nnodes", 1)
+    if args.nproc <= 1 and nnodes <= 1: return None
+    from tunebook.distributed import init_from_env, torchrun_command, without_launch_flags
+    if "WORLD_SIZE" not in os.environ:   # the children get the command without the launch flags and learn the counts from WORLD_SIZE
+        return subprocess.run(torchrun_command(args.nproc, argv=without_launch_flags(args.argv), nnodes=nnodes,
+                                               rdzv_endpoint=getattr(args, "rdzv_endpoint", None),
+                                               rdzv_id=getattr(args, "rdzv_id", "tunebook"))).returncode
     init_from_env()
     return None
 

@@ -32,9 +32,9 @@ from .moe import moe_blocks
 from .optim import InBackwardOptimizer
 
 # %% auto #0
-__all__ = ['require_process_group', 'default_mesh', 'shard_model', 'output_weight', 'dp_loss', 'global_mean',
+__all__ = ['LAUNCH_FLAGS', 'require_process_group', 'default_mesh', 'shard_model', 'output_weight', 'dp_loss', 'global_mean',
            'dp_router_aux_loss', 'shard_vocab', 'vocab_parallel_cross_entropy', 'save_distributed', 'load_distributed',
-           'consolidate_to_hf', 'init_from_env', 'torchrun_command']
+           'consolidate_to_hf', 'init_from_env', 'check_endpoint', 'torchrun_command', 'without_launch_flags']
 
 # %% ../nbs/10_scaling_out.ipynb #6eb2931b
 def require_process_group(what: str = "this"):
@@ -234,8 +234,38 @@ def init_from_env(backend: str | None = None, timeout: float = 1800) -> tuple[in
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
     return dist.get_rank(), dist.get_world_size()
 
-def torchrun_command(nproc: int, module: str = "tunebook.cli", argv: list[str] | tuple = ()) -> list[str]:
-    "The argv that runs `python -m module *argv` on `nproc` local processes with torchrun."
+def check_endpoint(endpoint: str) -> tuple[str, int]:
+    "`HOST:PORT` of a rendezvous as (host, port), or one error line saying what is wrong."
+    host, _, port = str(endpoint).rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"rdzv_endpoint={endpoint!r} is not HOST:PORT (e.g. node001:29500): name the first node and a free port.")
+    return host, int(port)
+
+def torchrun_command(nproc: int,                   # processes on this machine
+                     module: str = "tunebook.cli", # the module every process runs
+                     argv: list[str] | tuple = (), # its arguments
+                     nnodes: int = 1,              # machines in the job; >1 joins torchrun's c10d rendezvous
+                     rdzv_endpoint: str | None = None, # HOST:PORT of the rendezvous (the first node), needed when nnodes > 1
+                     rdzv_id: str = "tunebook",    # the job's name at the rendezvous: the same on every node
+                    ) -> list[str]:
+    "The argv that runs `python -m module *argv` on `nproc` processes here, on one machine or as one of `nnodes`."
     _check_launch(nproc, default_backend())
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", module, *map(str, argv)]
+    if not isinstance(nnodes, int) or nnodes < 1: raise ValueError(f"nnodes must be a positive integer, got {nnodes!r}.")
+    if nnodes == 1 and rdzv_endpoint is None: where = ["--standalone"]
+    else:
+        if rdzv_endpoint is None:
+            raise ValueError(f"nnodes={nnodes} needs rdzv_endpoint='HOST:PORT' (the first node's address and a free port), the same on every node.")
+        check_endpoint(rdzv_endpoint)
+        where = [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
+    return [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={nproc}", "-m", module, *map(str, argv)]
+
+LAUNCH_FLAGS = ("--nproc", "--nproc-per-node", "--nnodes", "--rdzv-endpoint", "--rdzv-id")
+
+def without_launch_flags(argv) -> list[str]:
+    "`argv` without the flags that only the launching process reads: torchrun's children learn the counts from its environment."
+    out, skip = [], False
+    for a in map(str, argv):
+        if skip: skip = False; continue
+        if a in LAUNCH_FLAGS: skip = True; continue
+        if not a.startswith(tuple(f + "=" for f in LAUNCH_FLAGS)): out.append(a)
+    return out

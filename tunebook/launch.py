@@ -66,14 +66,14 @@ def max_processes(backend: str) -> int:
     if backend == "nccl": return torch.cuda.device_count() if torch.cuda.is_available() else 0
     return cpu_cores()
 
-def _check_launch(nproc, backend):
+def _check_launch(nproc, backend, oversubscribe=False):
     if backend not in ("gloo", "nccl"): raise ValueError(f"backend must be 'gloo', 'nccl' or None (auto), got {backend!r}.")
     if not isinstance(nproc, int) or nproc < 1: raise ValueError(f"nproc must be a positive integer, got {nproc!r}.")
     limit = max_processes(backend)
-    if nproc > limit:
+    if nproc > limit and not (oversubscribe and backend == "gloo"):
         what = (f"{limit} CUDA GPU(s) are visible (one per rank)" if backend == "nccl"
                 else f"this process may use {limit} CPU core(s) (one per rank)")
-        raise ValueError(f"nproc={nproc} is more than the {backend} backend can run here: {what}. Use nproc<={limit}.")
+        raise ValueError(f"nproc={nproc} is more than the {backend} backend can run here: {what}. Use nproc<={limit} (or oversubscribe=True: gloo ranks then share cores, slowly).")
 
 # %% ../nbs/10_scaling_out.ipynb #2d8752a5
 def _worker():
@@ -126,10 +126,11 @@ def launch(fn,                      # the function each rank runs; its return va
            timeout: float = 600,    # seconds for the whole run (and the process group's collective timeout)
            grace: float = 5.0,      # seconds the other ranks get to finish once one has failed
            verbose: bool = True,    # echo each rank's output with a `[rank r]` prefix
+           oversubscribe: bool = False, # gloo: allow more ranks than CPU cores (a 2x2 mesh on a 2-core laptop, slowly)
           ) -> list:
     "Run `fn(*args, **kwargs)` on `nproc` new processes in one process group; the list of their return values."
     backend = backend or default_backend()
-    _check_launch(nproc, backend)
+    _check_launch(nproc, backend, oversubscribe)
     payload = pickle.dumps((dump_function(fn), cloudpickle.dumps((tuple(args), dict(kwargs or {}))), backend, int(timeout),
                             max(1, max_processes("gloo") // nproc)))
     d = Path(tempfile.mkdtemp(prefix="tunebook-launch-"))

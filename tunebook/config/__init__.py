@@ -23,7 +23,8 @@ from ..records import FORMATS, data_problems, read_data
 
 # %% auto #0
 __all__ = ['TUNED', 'SUMMARY_NAMES', 'REAL_MIN_WIDTH', 'recipe_name', 'Part', 'ModelPart', 'SourcePart', 'SFTDataPart',
-           'DataPart', 'AdapterPart', 'BatchPart', 'StepPart', 'OptimPart', 'MemoryPart', 'RunPart', 'TrainConfig']
+           'DataPart', 'AdapterPart', 'BatchPart', 'StepPart', 'OptimPart', 'mesh_problems', 'MemoryPart', 'RunPart',
+           'TrainConfig']
 
 # %% ../../nbs/11_training_loop.ipynb #fba7b1a2
 TUNED = ("lr", "batch_size")   # the options a config may leave None for its recipe to fill (`Part.with_defaults`)
@@ -109,7 +110,7 @@ class Part:
         if missing := [k for k in unset if k not in r]:
             raise ValueError(f"{type(self).__name__} has no {name!r} recipe value for {', '.join(missing)}: set {', '.join('--' + k.replace('_', '-') for k in missing)}")
         vals = {k: r[k] for k in unset}
-        n = getattr(self, "nproc", 1) or 1
+        n = (getattr(self, "nproc", 1) or 1) * (getattr(self, "nnodes", 1) or 1)
         if vals.get("batch_size", 0) % n: vals["batch_size"] += n - vals["batch_size"] % n   # each process an equal share
         said = ", ".join(f"{k} {v:g}" for k, v in vals.items())
         why = (f"{said} (left unset: {r.get('why', name)})" if vals else "") + \
@@ -288,6 +289,18 @@ class OptimPart(BatchPart, StepPart):
     "Optimisation of a run that learns from batches of rows: the batch and the steps (GRPO takes `StepPart` alone)."
 
 # %% ../../nbs/11_training_loop.ipynb #09fb4e8f
+def mesh_problems(mesh: str, world: int) -> list[str]:
+    "Why a run cannot train on `mesh` with `world` processes (tensor parallel runs in your own loop: `tunebook.mesh`)."
+    from tunebook.mesh import parse_mesh
+    try: dims = parse_mesh(mesh)
+    except ValueError as e: return [str(e)]
+    if "tp" in dims:
+        return [f"mesh={mesh!r}: the Trainer runs HSDP meshes (dp_replicate=R,dp_shard=S); tensor parallel (dp,tp) runs in your own "
+                "loop with tunebook.mesh.parallelize and loss_parallel(), because the Trainer's generation-based eval and gradient "
+                "clipping do not take tensor-parallel DTensors"]
+    n = dims["dp_replicate"] * dims["dp_shard"]
+    return [] if n == world else [f"mesh={mesh!r} has {n} ranks but the run starts {world} process(es) (nnodes x nproc): make them equal"]
+
 @dataclass
 class MemoryPart(Part):
     "Memory techniques and processes."
@@ -296,7 +309,11 @@ class MemoryPart(Part):
     activation_offloading: bool = False  # keep saved activations in host memory until backward
     optimizer_in_backward: bool = False  # step each parameter inside backward and free its gradient at once
     profile_memory: bool = False         # bytes by category at every step's peak (slower); steps 1-2 always
-    nproc: int = 1                       # processes, FSDP2-sharded (the CLI starts them with torchrun)
+    nproc: int = 1                       # processes (on each machine; alias --nproc-per-node), FSDP2-sharded (the CLI starts them with torchrun)
+    nnodes: int = 1                      # machines, joined by torchrun's c10d rendezvous at rdzv_endpoint (nproc processes on each)
+    rdzv_endpoint: str | None = None     # HOST:PORT of the rendezvous (the first node), the same on every node; needed with nnodes > 1
+    rdzv_id: str = "tunebook"            # the job's name at the rendezvous, the same on every node
+    mesh: str | None = None              # HSDP over 2 dimensions of ranks: "dp_replicate=R,dp_shard=S" (replicas across nodes, shards inside one; R x S = all processes); None: FSDP2 over all
     compile: bool = False                # torch.compile each transformer block and the chunked loss (regional; the first steps pay the compilation)
 
     def problems(self) -> list[str]:
@@ -305,9 +322,19 @@ class MemoryPart(Part):
         if self.optimizer_in_backward:
             bad += in_backward_problems(getattr(self, "grad_accum_steps", 1), getattr(self, "max_grad_norm", None))
         if self.nproc < 1: bad.append(f"{o('nproc')} must be >= 1")
-        bs = getattr(self, "batch_size", None)
-        if self.nproc > 1 and bs is not None and bs % self.nproc:
-            bad.append(f"batch_size={bs} must be a multiple of nproc={self.nproc} (each process takes an equal share)")
+        if self.nnodes < 1: bad.append(f"{o('nnodes')} must be >= 1")
+        if self.mesh is not None: bad += mesh_problems(self.mesh, self.nproc * max(self.nnodes, 1))
+        for k in ("rdzv_endpoint", "rdzv_id"):   # read by the launcher alone: on one machine they would do nothing
+            if self.nnodes == 1 and getattr(self, k) != MemoryPart.__dataclass_fields__[k].default:
+                bad.append(f"{o(k)} joins several machines through a rendezvous: set --nnodes too (one machine needs no rendezvous)")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            bad.append(f"{o('nnodes')} needs --rdzv-endpoint HOST:PORT (the first node's address and a free port), the same on every node")
+        host, _, port = str(self.rdzv_endpoint or "h:1").rpartition(":")
+        if not host or not port.isdigit(): bad.append(f"{o('rdzv_endpoint')} is not HOST:PORT (e.g. node001:29500)")
+        bs, n = getattr(self, "batch_size", None), self.nproc * max(self.nnodes, 1)
+        if n > 1 and bs is not None and bs % n:
+            what = f"nproc={self.nproc}" if self.nnodes == 1 else f"nnodes x nproc={n}"
+            bad.append(f"batch_size={bs} must be a multiple of {what} (each process takes an equal share)")
         if self.nproc > 1 and getattr(self, "method", None) == "qlora": bad.append("qlora is not supported with nproc > 1 (NF4 weights do not shard)")
         if self.nproc > 1 and self.activation_offloading: bad.append("activation_offloading is not supported with nproc > 1 yet")
         return bad + super().problems()

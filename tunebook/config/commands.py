@@ -31,7 +31,10 @@ class EstimateConfig(Part):
     activation_checkpointing: bool = False  # recompute each block's activations in backward instead of keeping them
     activation_offloading: bool = False  # keep saved activations in host memory until backward
     optimizer_in_backward: bool = False  # step each parameter inside backward and free its gradient at once
-    nproc: int = 1                       # FSDP ranks: report the memory of one rank
+    nproc: int = 1                       # FSDP ranks (on each machine; alias --nproc-per-node): report the memory of one rank
+    nnodes: int = 1                      # machines of nproc ranks each
+    tp: int = 1                          # tensor-parallel degree (tunebook.mesh's dp x tp mesh): projections and lm_head split tp ways
+    hsdp: bool = False                   # HSDP: shard over the nproc ranks of a node, one replica per node
     measure: bool = False                # also run the step for real and print the estimate's error (small models only)
     device: str = "cpu"                  # where --measure runs the step
 
@@ -47,11 +50,14 @@ class EstimateConfig(Part):
         bad, o = [], self.opt
         if self.method not in ("full", "lora", "dora", "qlora"): bad.append(f"{o('method')}: use full, lora, dora or qlora")
         if self.dtype not in ("bf16", "fp32"): bad.append(f"{o('dtype')}: use bf16 or fp32")
-        for k in ("batch_size", "max_seq_len", "grad_accum_steps", "nproc", "lora_rank"):
+        for k in ("batch_size", "max_seq_len", "grad_accum_steps", "nproc", "nnodes", "tp", "lora_rank"):
             if getattr(self, k) < 1: bad.append(f"{o(k)} must be >= 1")
         if self.method != "full" and self.lora_alpha <= 0: bad.append(f"{o('lora_alpha')} must be > 0")
         if self.chunked_ce < 0: bad.append(f"{o('chunked_ce')} must be >= 0 (0 = off)")
         if self.optimizer_in_backward: bad += in_backward_problems(self.grad_accum_steps)
+        if self.tp >= 1 and self.nproc >= 1 and self.nnodes >= 1 and (self.nproc * self.nnodes) % self.tp:
+            bad.append(f"{o('tp')} must divide the nnodes x nproc = {self.nproc * self.nnodes} ranks")
+        if self.hsdp and self.tp > 1: bad.append(f"{o('hsdp')} with tp > 1 is a 3-D mesh, which tunebook.mesh does not build; pick one")
         return bad + super().problems()
 
     def estimate_kwargs(self) -> dict:
@@ -61,7 +67,7 @@ class EstimateConfig(Part):
                     activation_offloading=self.activation_offloading, optimizer_in_backward=self.optimizer_in_backward,
                     measure=self.measure, gradient_accumulation_steps=self.grad_accum_steps, lora_rank=self.lora_rank,
                     lora_alpha=self.lora_alpha, lora_targets=self.lora_targets[0] if self.lora_targets == ("all-linear",) else self.lora_targets,
-                    device=self.device, nproc=self.nproc)
+                    device=self.device, nproc=self.nproc, nnodes=self.nnodes, tp=self.tp, hsdp=self.hsdp)
 
 # %% ../../nbs/11_training_loop.ipynb #dd51a812
 @dataclass

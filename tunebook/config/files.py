@@ -198,7 +198,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip=()) -> None:
                 # the values a field takes, shown in --help; validation refuses others in one line naming the flag
                 choices = {"format": ("auto", *getattr(cls, "_formats", ())), "train_on": ("all", "last")}.get(f.name) \
                     or getattr(cls, "_choices", {}).get(f.name)   # a config may list the values of its own fields (DPO's loss)
-                flags = {"loggers": ("--logger", flag)}.get(f.name, (flag,))   # --logger tensorboard,wandb reads as a user says it
+                flags = {"loggers": ("--logger", flag), "nproc": (flag, "--nproc-per-node")}.get(f.name, (flag,))   # --logger tensorboard,wandb reads as a user says it; --nproc-per-node as torchrun says it
                 group.add_argument(*flags, dest=f.name, type=kind, default=default, metavar="{" + ",".join(choices) + "}" if choices else None,
                                    help=f"{h} (default: {str(default).replace('%', '%%')})".strip())
 

@@ -84,10 +84,17 @@ def estimate(model: str | Path | ModelConfig = "llama3.1-8b", # builder name, lo
              lora_rank: int = 16, lora_alpha: float = 32.0, # the same defaults as `TrainConfig`
              lora_targets="all-linear", # every linear layer but lm_head (Phi-3: its fused qkv_proj, gate_up_proj), or names
              device: str = "cpu", # where `measure` runs
-             nproc: int = 1, # > 1: per-rank bytes under FSDP over this many ranks (`fsdp_memory` on the same model)
+             nproc: int = 1, # > 1: per-rank bytes under FSDP over this many ranks (`fsdp_memory` on the same model); with nnodes: per node
+             nnodes: int = 1, # machines of nproc ranks each
+             tp: int = 1, # tensor-parallel degree (tunebook.mesh: dp = nnodes x nproc / tp)
+             hsdp: bool = False, # HSDP: shard over the nproc ranks of a node, one replica per node
             ) -> MemoryReport:
     "Peak memory of one training step by category, from the step itself run on fake tensors."
     cfg, name = resolve_config(model)
+    for k, v in (("nnodes", nnodes), ("tp", tp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1: raise ValueError(f"{k} must be an integer >= 1, got {v!r}.")
+    if (nproc * nnodes) % tp: raise ValueError(f"tp={tp} does not divide the {nproc * nnodes} ranks (nnodes x nproc).")
+    if hsdp and tp > 1: raise ValueError("hsdp=True and tp > 1 together is a 3-D mesh, which tunebook.mesh does not build; pick one.")
     _check(cfg, method, batch_size, seq_len, dtype, chunked_ce, activation_checkpointing,
            optimizer_in_backward, gradient_accumulation_steps, nproc)
     step = dict(batch_size=batch_size, seq_len=seq_len, chunked_ce=chunked_ce or None,
@@ -103,18 +110,23 @@ def estimate(model: str | Path | ModelConfig = "llama3.1-8b", # builder name, lo
         n_active = count_active_params(m) if cfg.n_experts else n_params   # an MoE token uses k of each layer's experts
         adapted = sorted({k.rsplit(".", 1)[-1] for k in lora_modules(m)}   # the targets as applied
                          | {f"experts.{p}" for e in expert_lora_modules(m).values() for p in e.adapters})
-        if nproc > 1:
-            report.categories = fsdp_memory(m, nproc, param_dtype=dtype, categories=report.categories)
+        ranks = nproc * nnodes
+        if ranks > 1:
+            shards = nproc if hsdp else ranks // tp
+            report.categories = fsdp_memory(m, shards, param_dtype=dtype, categories=report.categories, tp=tp)
             report.peak_bytes = sum(report.categories.values())
-            report.how += f"; per rank under FSDP over {nproc} ranks: shards and gather buffers by formula (fsdp_memory)"
+            how = (f"HSDP: sharded over the {nproc} ranks of a node, {nnodes} replicas" if hsdp else
+                   f"FSDP over {shards} ranks" + (f" x tensor parallel over {tp}" if tp > 1 else ""))
+            report.how += f"; per rank of {ranks} ({how}): shards and gather buffers by formula (fsdp_memory)"
     del m
     report.seconds = time.perf_counter() - t0
     report.settings.update(model=name, method=method, dtype=dtype, params=n_params, trainable_params=n_train, nproc=nproc,
                            **({"active_params": n_active} if n_active != n_params else {}),
+                           **({"nnodes": nnodes, "tp": tp, "hsdp": hsdp} if nnodes > 1 or tp > 1 or hsdp else {}),
                            **({"lora_rank": lora_rank, "lora_alpha": lora_alpha, "lora_targets": adapted}
                               if method != "full" else {}))
     if measure:
-        if nproc > 1: raise ValueError("measure=True runs one process; pass nproc=1 (tests/test_distributed.py checks the shards on real ranks).")
+        if nproc * nnodes > 1: raise ValueError("measure=True runs one process; pass nproc=1 (tests/test_distributed.py checks the shards on real ranks).")
         _check_fits(report, device)
         seed_everything(0)
         real = _build(cfg, method, dtype, *lora, init=True).to(device)

@@ -14,7 +14,7 @@ from ..model import ModelConfig, TransformerBlock, build_model, get_config
 from .tracker import MemoryReport
 
 # %% auto #0
-__all__ = ['fsdp_memory', 'lora_bytes', 'state_bytes', 'rough_estimate']
+__all__ = ['TP_SPLIT', 'fsdp_memory', 'lora_bytes', 'state_bytes', 'rough_estimate']
 
 # %% ../../nbs/09_measuring_memory.ipynb #bfdecbc5
 def _shard_numel(shape, n: int) -> int:
@@ -24,17 +24,25 @@ def _shard_numel(shape, n: int) -> int:
     for s in shape[1:]: rest *= s
     return -(-shape[0] // n) * rest
 
+TP_SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+def _tp_split(name: str) -> bool:
+    "Whether tensor parallel (`tunebook.mesh`) splits the parameter `name`: the projections' and lm_head's weights, not LoRA's small A and B."
+    parts = name.split(".")
+    return any(t in parts for t in TP_SPLIT) and "lora_A" not in parts and "lora_B" not in parts
+
 def fsdp_memory(model: nn.Module | ModelConfig | str, # a model (its shapes are read), or a config / builder name
-                nproc: int,                # ranks sharing the model
+                nproc: int,                # ranks sharing the model (with tp > 1: the data-parallel shard ranks)
                 param_dtype=torch.float32, # dtype of the stored (sharded) parameters
                 mp_dtype=None,             # compute dtype of gathered weights (default: param_dtype)
                 reduce_dtype=None,         # gradient reduce-scatter dtype (default: mp_dtype)
                 optim_states: int = 2,     # optimizer tensors per parameter (AdamW: exp_avg, exp_avg_sq)
                 categories: dict | None = None, # single-process bytes by category; other entries pass through
+                tp: int = 1,               # tensor-parallel ranks: the projections and lm_head split tp ways, then sharded over nproc
                ) -> dict[str, int]:
-    "Bytes per rank under `shard_model` over `nproc` ranks: shards, gathered-weight buffers, pass-through categories."
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"nproc must be a positive integer, got {nproc!r}.")
+    "Bytes per rank under `shard_model` over `nproc` ranks (after a `tp`-way tensor-parallel split): shards, gathered-weight buffers, pass-through categories."
+    for k, v in (("nproc", nproc), ("tp", tp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1: raise ValueError(f"{k} must be a positive integer, got {v!r}.")
     if not isinstance(model, nn.Module):
         model = build_model(get_config(model) if isinstance(model, str) else model, device="meta", init=False)
     pb = torch.empty((), dtype=get_dtype(param_dtype)).element_size()
@@ -45,14 +53,17 @@ def fsdp_memory(model: nn.Module | ModelConfig | str, # a model (its shapes are 
     params = list({id(p): p for p in model.parameters()}.values())
     trainable = [p for p in params if p.requires_grad]
     root = [p for p in params if id(p) not in in_block]
-    numel = lambda ps: sum(p.numel() for p in ps)
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    div = lambda p: tp if tp > 1 and _tp_split(names.get(id(p), "")) else 1
+    numel = lambda ps: sum(-(-p.numel() // div(p)) for p in ps)   # what one TP rank holds of each, before FSDP
+    shard = lambda p: _shard_numel(p.shape, nproc) if div(p) == 1 else -(-p.numel() // (div(p) * nproc))
     block_full = max((numel(b.parameters()) for b in blocks), default=0)
     block_train = max((numel(p for p in b.parameters() if p.requires_grad) for b in blocks), default=0)
     out = dict(categories or {})
     out.update(
-        parameters=sum(_shard_numel(p.shape, nproc) for p in params) * pb,
-        gradients=sum(_shard_numel(p.shape, nproc) for p in trainable) * pb,
-        optimizer=optim_states * sum(_shard_numel(p.shape, nproc) for p in trainable) * pb,
+        parameters=sum(shard(p) for p in params) * pb,
+        gradients=sum(shard(p) for p in trainable) * pb,
+        optimizer=optim_states * sum(shard(p) for p in trainable) * pb,
         all_gather=0 if nproc == 1 else (numel(root) + 2 * block_full) * cb,
         reduce_scatter=0 if nproc == 1 else block_train * rb,
     )

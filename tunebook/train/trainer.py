@@ -113,7 +113,10 @@ class Trainer:
             from tunebook.compile import compile_model
             compile_model(self.model, self.loss_fn)
         obj.prepare_model(self)
-        if self.world > 1:
+        if self.world > 1 and c.mesh:   # HSDP: replicas over dim 0, shards over dim 1 (tunebook.mesh)
+            from tunebook.mesh import build_mesh, parallelize
+            parallelize(self.model, build_mesh(c.mesh))
+        elif self.world > 1:
             from tunebook.distributed import shard_model
             shard_model(self.model)
         return self._finish_setup()
