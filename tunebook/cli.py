@@ -233,6 +233,7 @@ PASSTHROUGH = {   # subcommands whose own parser lives beside their code: the re
     "generate": ("tunebook.chat", "generate_main", "answer one prompt with a model or run folder, streaming it"),
     "chat": ("tunebook.chat", "chat_main", "chat with a model or run folder in the terminal"),
     "eval": ("tunebook.lmeval", "eval_main", "score a model or run folder with lm-evaluation-harness (--tasks a,b)"),
+    "export": ("tunebook.export", "export_main", "export a run or model: GGUF files for llama.cpp and Ollama, or a merged 16-bit folder"),
     "config": ("tunebook.recipes", "config_main", "recipes: list, show NAME (resolved), cp NAME FILE")}
 
 def _passthrough(name: str, argv: list[str]) -> int:
