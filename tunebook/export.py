@@ -23,7 +23,7 @@ CONVERTER_TYPES = {"f16", "bf16", "q8_0"}   # convert_hf_to_gguf.py writes these
 QUANTIZER_TYPES = {"q4_k_m"}                # llama.cpp's quantizer makes these from the f16 file
 MERGED_DTYPES = {"f16": "float16", "bf16": "bfloat16"}
 
-def _is_model_folder(p: Path) -> bool:
+def _hf_folder(p: Path) -> bool:
     try: cfg = json.loads((p / "config.json").read_text())
     except (OSError, json.JSONDecodeError): return False
     return isinstance(cfg, dict) and ("model_type" in cfg or "architectures" in cfg)
@@ -32,13 +32,13 @@ def export_source(path) -> tuple[Path, Path | None]:
     "(model folder, adapter folder or None) behind `path`: a model folder, a run's merged model/, or a run's base + adapter/."
     p = Path(path).expanduser()
     if not p.exists(): raise FileNotFoundError(f"{str(p)!r} does not exist: give a model folder or a `tunebook finetune` run folder.")
-    if _is_model_folder(p): return p, None
-    if _is_model_folder(p / "model"): return p / "model", None
+    if _hf_folder(p): return p, None
+    if _hf_folder(p / "model"): return p / "model", None
     if (p / "adapter" / "adapter_config.json").is_file():
         base = json.loads((p / "adapter" / "adapter_config.json").read_text()).get("base_model_name_or_path")
-        if not (base and _is_model_folder(Path(base))) and (p / "config.json").is_file():
+        if not (base and _hf_folder(Path(base))) and (p / "config.json").is_file():
             base = json.loads((p / "config.json").read_text()).get("model", base)
-        if not (base and _is_model_folder(Path(base))):
+        if not (base and _hf_folder(Path(base))):
             raise FileNotFoundError(f"{str(p)!r} has an adapter/ whose base model {base!r} is not a model folder here: "
                                     "put the base model there, or export a run that wrote model/.")
         return Path(base), p / "adapter"
@@ -106,7 +106,7 @@ def convert(folder, dst, outtype: str = "f16", quiet: bool = False) -> Path:
         raise RuntimeError(f"llama.cpp's converter failed on {folder} (exit {proc.returncode}):\n{text}")
     return Path(dst)
 
-def _field(reader, key):
+def _gguf_field(reader, key):
     f = reader.fields.get(key)
     return None if f is None else f.contents()
 
@@ -114,10 +114,10 @@ def check_gguf(path, tokenizer, sample: list[dict] | None = None) -> dict:
     """What the GGUF carries against `tokenizer` (the run's): its chat template, eos and end-of-turn tokens as llama.cpp
     reads them, the special tokens' strings, and a rendered conversation's token ids; a ValueError lists every mismatch."""
     reader = gguf_module().GGUFReader(str(path))
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    facts = {"architecture": _field(reader, "general.architecture"), "chat_template": _field(reader, "tokenizer.chat_template"),
-             "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"), "eot_token_id": _field(reader, "tokenizer.ggml.eot_token_id"),
-             "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"), "n_tokens": len(tokens or [])}
+    tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
+    facts = {"architecture": _gguf_field(reader, "general.architecture"), "chat_template": _gguf_field(reader, "tokenizer.chat_template"),
+             "eos_token_id": _gguf_field(reader, "tokenizer.ggml.eos_token_id"), "eot_token_id": _gguf_field(reader, "tokenizer.ggml.eot_token_id"),
+             "bos_token_id": _gguf_field(reader, "tokenizer.ggml.bos_token_id"), "n_tokens": len(tokens or [])}
     bad = []
     if tokenizer.chat_template and facts["chat_template"] != tokenizer.chat_template:
         bad.append("tokenizer.chat_template is " + ("missing" if facts["chat_template"] is None else "not the tokenizer's chat template"))

@@ -3,10 +3,10 @@
 # %% ../nbs/A1_tools.ipynb #4fbd2b7b
 from __future__ import annotations
 
-import ast
 import ctypes
 import importlib
 import os
+import re
 import sys
 import types
 from pathlib import Path
@@ -38,13 +38,10 @@ __all__ = ['LLAMA_CPP_VERSION', 'HOW_TO_GET', 'FTYPES', 'llama_cpp_dir', 'need_l
 # %% ../nbs/A1_tools.ipynb #3b93ecca
 def supported_architectures(d: Path | None = None) -> set[str]:
     "The Hugging Face architectures llama.cpp's converter registers (`@ModelBase.register(...)`), read from its source."
-    root = converter_path(d).parent
-    names = set()
+    root, names = converter_path(d).parent, set()
     for f in [root / "convert_hf_to_gguf.py", *sorted((root / "conversion").glob("*.py"))]:
-        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "register"
-                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "ModelBase"):
-                names |= {a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)}
+        for args in re.findall(r"@ModelBase\.register\(([^)]*)\)", f.read_text(encoding="utf-8")):
+            names |= set(re.findall(r"[\"']([\w.-]+)[\"']", args))
     return names
 
 def gguf_module(d: Path | None = None):

@@ -10,7 +10,7 @@ _ACTION = re.compile(r"\{\{(-[ \t\r\n])?(.*?)([ \t\r\n]-)?\}\}", re.S)
 _TERM = re.compile(r'(\s*)(\(|\)|"(?:[^"\\]|\\.)*"|`[^`]*`|[^\s()]+)')
 _WS = " \t\r\n"
 
-def _lex(template: str) -> list[tuple[str, str]]:
+def _go_lex(template: str) -> list[tuple[str, str]]:
     "Text and actions (`('act', source)`), with the `{{- ` and ` -}}` markers' trimming applied to the text beside them."
     out, pos, trim_next = [], 0, False
     for m in _ACTION.finditer(template):
@@ -25,7 +25,7 @@ def _lex(template: str) -> list[tuple[str, str]]:
     if text: out.append(("text", text))
     return out
 
-def _parse(tokens: list, i: int, closers: tuple) -> tuple[list, int, str | None]:
+def _go_parse(tokens: list, i: int, closers: tuple) -> tuple[list, int, str | None]:
     "Nodes up to an action whose first word is in `closers`; returns (nodes, next index, that action or None at the end)."
     nodes = []
     while i < len(tokens):
@@ -35,29 +35,29 @@ def _parse(tokens: list, i: int, closers: tuple) -> tuple[list, int, str | None]
         if word in closers: return nodes, i, src
         if word in ("end", "else"): raise ValueError(f"Go template: unexpected {{{{{src}}}}}")
         if word not in ("if", "range"): nodes.append(("expr", src)); continue
-        body, i, how = _parse(tokens, i, ("end", "else"))
+        body, i, how = _go_parse(tokens, i, ("end", "else"))
         node = (word, src[len(word):].strip(), body, [])
         nodes.append(node)
         while how is not None and how.startswith("else"):
             rest = how[4:].strip()
             if rest.startswith("if "):   # `else if COND`: an if inside the else branch, closed by the same end
-                body, i, how = _parse(tokens, i, ("end", "else"))
+                body, i, how = _go_parse(tokens, i, ("end", "else"))
                 inner = ("if", rest[3:].strip(), body, [])
                 node[3].append(inner); node = inner
-            else: body, i, how = _parse(tokens, i, ("end",)); node[3].extend(body)
+            else: body, i, how = _go_parse(tokens, i, ("end",)); node[3].extend(body)
         if how is None: raise ValueError(f"Go template: {{{{{word} ...}}}} has no {{{{end}}}}")
     return nodes, i, None
 
 def parse_go_template(template: str) -> list:
     "The tree of an Ollama (Go text/template) template: text, `{{expr}}`, `{{if}}/{{else if}}/{{else}}`, `{{range}}`."
-    nodes, _, _ = _parse(_lex(template), 0, ())
+    nodes, _, _ = _go_parse(_go_lex(template), 0, ())
     return nodes
 
 # %% auto #0
 __all__ = ['parse_go_template', 'render_go_template', 'ollama_data', 'ollama_template']
 
 # %% ../nbs/A1_tools.ipynb #fe4d03a4
-def _terms(src: str) -> list:
+def _go_terms(src: str) -> list:
     "The terms of an expression: literals, `.Field` chains, `$var.Field`, `(sub expressions)` (with `.Field` after them)."
     stack, pos = [[]], 0
     for m in _TERM.finditer(src):
@@ -73,28 +73,28 @@ def _terms(src: str) -> list:
     if len(stack) != 1 or src[pos:].strip(): raise ValueError(f"Go template: cannot read {{{{{src}}}}}")
     return stack[0]
 
-def _truth(v) -> bool:
+def _go_truth(v) -> bool:
     "Go's truth: false, 0, nil and empty strings, lists and maps are false."
     return not (v is None or v is False or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0)
                 or (hasattr(v, "__len__") and len(v) == 0))
 
-def _field(v, name: str):
+def _go_field(v, name: str):
     if isinstance(v, dict):
         if name not in v: raise KeyError(f"Go template: no field {name} in {sorted(v)}")
         return v[name]
     return getattr(v, name)
 
 def _eq(a, *bs) -> bool: return any(a == b for b in bs)
-_FUNCS = {"not": lambda a: not _truth(a), "eq": _eq, "ne": lambda a, b: a != b, "lt": lambda a, b: a < b,
+_FUNCS = {"not": lambda a: not _go_truth(a), "eq": _eq, "ne": lambda a, b: a != b, "lt": lambda a, b: a < b,
           "le": lambda a, b: a <= b, "gt": lambda a, b: a > b, "ge": lambda a, b: a >= b, "len": len,
           "index": lambda x, *ks: _index(x, ks), "slice": lambda x, i=0, j=None: x[i:j],
-          "print": lambda *a: "".join(map(_show, a)), "json": lambda a: json.dumps(a, ensure_ascii=False)}
+          "print": lambda *a: "".join(map(_go_show, a)), "json": lambda a: json.dumps(a, ensure_ascii=False)}
 
 def _index(x, keys):
     for k in keys: x = x[k]
     return x
 
-def _show(v) -> str:
+def _go_show(v) -> str:
     "How Go prints a value in a template."
     if v is None: return "<no value>"
     if isinstance(v, bool): return "true" if v else "false"
@@ -117,17 +117,17 @@ class _Run:
         if isinstance(t, tuple):
             if t[0] == "sub": return self.command(t[1], dot)
             v = self.value(t[1], dot)
-            for f in t[2]: v = _field(v, f)
+            for f in t[2]: v = _go_field(v, f)
             return v
         if t == ".": return dot
         if t.startswith("."):
             v = dot
-            for f in t[1:].split("."): v = _field(v, f)
+            for f in t[1:].split("."): v = _go_field(v, f)
             return v
         if t.startswith("$"):
             head, *chain = t.split(".")
             v = self.var(head)
-            for f in chain: v = _field(v, f)
+            for f in chain: v = _go_field(v, f)
             return v
         if t[0] == '"': return json.loads(t)
         if t[0] == "`": return t[1:-1]
@@ -142,7 +142,7 @@ class _Run:
         if head in ("and", "or"):   # short-circuit, as Go 1.18+: returns the first argument that decides
             for t in terms[1:]:
                 v = self.value(t, dot)
-                if _truth(v) != (head == "and"): return v
+                if _go_truth(v) != (head == "and"): return v
             return v
         if isinstance(head, str) and head in _FUNCS: return _FUNCS[head](*(self.value(t, dot) for t in terms[1:]))
         if len(terms) != 1: raise ValueError(f"Go template: {terms[0]!r} is not a function")
@@ -151,11 +151,11 @@ class _Run:
     def expr(self, src: str, dot):
         if src in ("break", "continue"): raise (_Break if src == "break" else _Continue)()
         if m := re.fullmatch(r"(\$\w*)\s*(:?=)\s*(.+)", src, re.S):
-            v = self.command(_terms(m.group(3)), dot)
+            v = self.command(_go_terms(m.group(3)), dot)
             if m.group(2) == ":=": self.scopes[-1][m.group(1)] = v
             else: next(s for s in reversed(self.scopes) if m.group(1) in s)[m.group(1)] = v
             return
-        self.out.append(_show(self.command(_terms(src), dot)))
+        self.out.append(_go_show(self.command(_go_terms(src), dot)))
 
     def block(self, nodes, dot, scope=None):
         self.scopes.append(scope or {})
@@ -163,14 +163,14 @@ class _Run:
             for n in nodes:
                 if n[0] == "text": self.out.append(n[1])
                 elif n[0] == "expr": self.expr(n[1], dot)
-                elif n[0] == "if": self.block(n[2] if _truth(self.command(_terms(n[1]), dot)) else n[3], dot)
+                elif n[0] == "if": self.block(n[2] if _go_truth(self.command(_go_terms(n[1]), dot)) else n[3], dot)
                 else: self.range(n, dot)
         finally: self.scopes.pop()
 
     def range(self, n, dot):
         m = re.fullmatch(r"(?:(\$\w*)\s*(?:,\s*(\$\w*))?\s*:=\s*)?(.+)", n[1], re.S)
-        items = self.command(_terms(m.group(3)), dot)
-        if not _truth(items): return self.block(n[3], dot)
+        items = self.command(_go_terms(m.group(3)), dot)
+        if not _go_truth(items): return self.block(n[3], dot)
         pairs = items.items() if isinstance(items, dict) else enumerate(items)
         for k, v in pairs:
             scope = {m.group(1): v} if m.group(1) and not m.group(2) else {m.group(1): k, m.group(2): v} if m.group(1) else {}
