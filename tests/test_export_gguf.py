@@ -134,6 +134,20 @@ def test_modelfile_renders_the_tokenizer_prompt(case):
             assert render_go_template(mf["TEMPLATE"], ollama_data(c)) == tok.apply_chat_template(c, add_generation_prompt=True)
 
 
+def test_check_catches_a_lost_template_or_eos(smol, tmp_path):
+    "The file edited by llama.cpp's own metadata tool (gguf-py's gguf_new_metadata): no template, or another eos: refused."
+    run, out = smol
+    src, tok = out / f"{run.name}-q8_0.gguf", load_tokenizer(run / "model")
+    for edit, says in ((["--remove-metadata", "tokenizer.chat_template"], "tokenizer.chat_template is missing"),
+                       (["--special-token-by-id", "eos", "0"], f"eos token 0 != the tokenizer's {tok.eos_id}")):
+        bad = tmp_path / "bad.gguf"
+        r = subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata", str(src), str(bad), "--force", *edit],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+        with pytest.raises(ValueError, match=says): check_gguf(bad, tok)
+        bad.unlink()
+
+
 def test_merged_folder_loads_in_transformers_with_peft_logits(smol, tmp_path):
     "--to merged on a run holding only its adapter: the base + adapter merged, 16-bit; transformers loads it."
     import transformers
