@@ -69,7 +69,7 @@ def gemma(tmp_path_factory):
     base.mkdir()
     for f in gemma3_dir().iterdir(): (base / f.name).symlink_to(f)
     (base / "chat_template.jinja").write_text(GEMMA_TEMPLATE)
-    run = _finetune(base, tmp, 10)
+    run = _finetune(base, tmp, 30)   # 10 steps left half-learned answers whose q8_0 greedy text differed on 3 of 10 prompts
     return run, _export(run, tmp)
 
 
