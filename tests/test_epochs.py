@@ -64,3 +64,16 @@ def test_epochs_from_the_command_line(tmp_path, capsys):
     assert main(["finetune", "--epochs", "0", "--output-dir", str(tmp_path / "bad")]) == 2
     assert "epochs=0 (--epochs) must be >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit): main(["grpo", "--epochs", "2"])   # GRPO draws prompts without end: no such flag
+
+
+@pytest.mark.parametrize("ga", [1, 2])
+def test_eval_at_the_end_of_each_epoch(tmp_path, ga):
+    """--eval-each-epoch: 3 epochs of 5 micro-batches; the held-out metrics are in the rows of the steps where epochs 1 and
+    2 end (the third's is the final eval), and in no other row; without --epochs it is refused."""
+    t = Trainer(_cfg(tmp_path / "run", epochs=3, grad_accum_steps=ga, eval_each_epoch=True))
+    t.fit(progress=False)
+    ends = {-(-5 * e // ga) for e in (1, 2)}   # the step holding an epoch's last micro-batch
+    evaluated = {m["step"] for m in t.metrics if "eval_loss" in m and m["step"] < t.config.max_steps}
+    assert evaluated == ends, (evaluated, ends)
+    with pytest.raises(ValueError, match="eval_each_epoch.*give --epochs N"):
+        Trainer(_cfg(tmp_path / "x", epochs=None, eval_each_epoch=True)).setup()

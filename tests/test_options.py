@@ -219,6 +219,8 @@ SHARED = {
     "max_steps": lambda env: ("3", ("run", lambda s, t: s["steps"] == 3)),
     "batch_size": lambda env: ("2", lambda t, d: _batch(t)["tokens"].shape[0] < _batch(d)["tokens"].shape[0]),
     # the steps follow from the data (capped here by BASE's --max-steps); tests/test_epochs.py checks each row is trained once an epoch
+    # evaluating at each epoch's end: refused without --epochs (BASE gives --max-steps); tests/test_epochs.py runs it
+    "eval_each_epoch": lambda env: (None, "evaluates where an epoch ends: give --epochs N"),
     "epochs": lambda env: ("1", lambda t, d: t.choices["epochs_report"].startswith(f"1 epoch(s) of {len(t.rows)} rows") and "epochs_report" not in d.choices),
     "grad_accum_steps": lambda env: ("2", lambda t, d: t.train_step()["tokens"] > d.train_step()["tokens"]),
     "lr": lambda env: ("0.0123", lambda t, d: t.optimizer.param_groups[0]["initial_lr"] == 0.0123),

@@ -251,10 +251,12 @@ class BatchPart(Part):
     "The batch: rows per micro-batch, and how many passes over the rows."
     batch_size: int | None = None        # rows per micro-batch, shared by the nproc processes (a step trains batch_size x grad_accum_steps rows); None: the recipe's for the model (embedded 32; a real model 8), reported in the log
     epochs: int | None = None            # passes over the training rows: the run's steps follow from the data (after packing and dropping; reported); a max_steps other than its default caps them
+    eval_each_epoch: bool = False        # with epochs: evaluate at the end of every epoch too (the last one's is the run's final eval)
 
     def problems(self) -> list[str]:
         bad = [f"{self.opt('batch_size')} must be >= 1"] if self.batch_size is not None and self.batch_size < 1 else []
         if self.epochs is not None and self.epochs < 1: bad.append(f"{self.opt('epochs')} must be >= 1 (or unset: --max-steps decides)")
+        if self.eval_each_epoch and not self.epochs: bad.append(f"{self.opt('eval_each_epoch')} evaluates where an epoch ends: give --epochs N")
         return bad + super().problems()
 
 @dataclass

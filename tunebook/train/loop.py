@@ -85,7 +85,8 @@ def _fit_owned(self: Trainer, progress: bool, stops: StopRequests | None = None)
         while self.step < c.max_steps and not self.should_stop and not self._stop_asked(stops):
             row = self.train_step()
             bar.update(1)
-            if c.eval_every and self.step % c.eval_every == 0 and self.step < c.max_steps: row.update(self.evaluate())
+            due = (c.eval_every and self.step % c.eval_every == 0) or (getattr(c, "eval_each_epoch", False) and self._ends_epoch())
+            if due and self.step < c.max_steps: row.update(self.evaluate())   # the last step's eval is the run's final one
             if self.step % c.log_every == 0 or self.step == c.max_steps:
                 bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}", **({"epoch": f"{row['epoch']:.2f}"} if "epoch" in row else {}))
                 self.log(row)

@@ -225,3 +225,11 @@ def _plan_epochs(self: Trainer):
     how = (f"{c.epochs} epoch(s) of {len(self.rows)} rows = {micro} micro-batches of up to {c.batch_size} rows, "
            f"{ga} per step: {steps} steps")
     self.choices["epochs_report"] = how + (f"; capped at --max-steps {cap}" if self.micro_limit is None else "")
+
+@patch
+def _ends_epoch(self: Trainer) -> bool:
+    "Whether the step just taken finished an epoch (with `epochs`: its micro-batches reached a multiple of the epoch's)."
+    if not self.n_batches: return False
+    ga, limit = self.config.grad_accum_steps, self.micro_limit or math.inf
+    epochs_done = lambda step: min(step * ga, limit) // self.n_batches
+    return epochs_done(self.step) > epochs_done(self.step - 1)
