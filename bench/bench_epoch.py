@@ -92,7 +92,7 @@ def make_data(model_dir, out: Path, n_train: int, n_eval: int, max_seq_len: int,
     lens = sorted(len(ids) for _, ids, _ in parts["train"])
     q = lambda f: lens[min(len(lens) - 1, int(f * len(lens)))]
     return dict(rows=len(lens), eval_rows=n_eval, min=lens[0], median=q(0.5), p90=q(0.9), max=lens[-1], tokens=sum(lens),
-                label_tokens=sum(len(ids) - np_ - 1 for _, ids, np_ in parts["train"]))
+                label_tokens=sum(len(ids) - np_ for _, ids, np_ in parts["train"]))
 
 
 # ---------------------------------------------------------------- one framework, in a child process
@@ -208,6 +208,7 @@ def run_torchtune(a, data: Path, out: Path) -> dict:
     computed = real = label = 0
     t0 = time.perf_counter()
     for b in dl:
+        b = {k: v.to(a["device"]) for k, v in b.items()}
         labels = torch.hstack((b["labels"][..., 1:], torch.full_like(b["labels"][..., :1], IGNORE)))   # the recipe's shift
         logits = model(b["tokens"], mask=b["mask"], input_pos=b["input_pos"])
         loss = run.loss_fn(logits, labels)
@@ -229,18 +230,18 @@ def run_torchtune(a, data: Path, out: Path) -> dict:
                 precision=precision, model_dir=str(out / "model"))
 
 
-def evaluate(model_dir, base_dir, data: Path) -> float:
+def evaluate(model_dir, base_dir, data: Path, device="cpu") -> float:
     "THE evaluator: transformers fp32, each held-out row alone, the mean cross-entropy over every response token."
     import torch
     from transformers import AutoModelForCausalLM
-    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").to(device)
     base = json.loads((Path(base_dir) / "config.json").read_text())
     if base.get("tie_word_embeddings"): m.tie_weights()
     m.eval()
     tot, n = 0.0, 0
     with torch.no_grad():
         for r in _tok_rows(data, "eval"):
-            ids = torch.tensor([r["ids"]])
+            ids = torch.tensor([r["ids"]], device=device)
             logits = m(input_ids=ids).logits[0, :-1].float()
             tgt = ids[0, 1:].clone(); tgt[: r["prompt_len"] - 1] = IGNORE
             tot += float(torch.nn.functional.cross_entropy(logits, tgt, ignore_index=IGNORE, reduction="sum")); n += int((tgt != IGNORE).sum())
@@ -252,10 +253,11 @@ def child(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     data, out = Path(spec["data"]), Path(spec["out"])
     if spec["framework"] == "eval":   # every trained model and the untrained one, one after another in this process
-        return dict(eval_loss={d: evaluate(d, spec["model"], data) for d in spec["model_dirs"]})
+        return dict(eval_loss={d: evaluate(d, spec["model"], data, spec.get("device", "cpu")) for d in spec["model_dirs"]})
     fn = dict(tunebook=run_tunebook, trl=run_trl, torchtune=run_torchtune)[spec["framework"]]
     res = fn(spec, data, out)
     res["peak_rss"] = peak_rss_bytes()
+    if torch.cuda.is_available() and spec["device"].startswith("cuda"): res["peak_cuda"] = torch.cuda.max_memory_allocated()
     return res
 
 
@@ -354,7 +356,7 @@ def main(argv=None):
                 print(f"  {method:4s} {f}:{mode}: " + (f"ERROR {r['error']}" if "error" in r else
                       f"{r['epoch_s']:.1f} s for the epoch, {r['process_s']:.1f} s the process"), flush=True)
         dirs = [model] + [r["model_dir"] for r in results if "model_dir" in r]
-        ev = spawn(dict(framework="eval", model_dirs=dirs, model=model, data=str(data), out=tmp, threads=a.threads), timeout=1800)
+        ev = spawn(dict(framework="eval", model_dirs=dirs, model=model, data=str(data), out=tmp, threads=a.threads, device=a.device), timeout=1800)
         losses = ev.get("eval_loss") or {}
         for r in results:
             if "model_dir" in r: r["eval_loss"] = losses.get(r.pop("model_dir"))
@@ -364,7 +366,7 @@ def main(argv=None):
                eval_loss_base=base_ev.get("eval_loss"), eval_error=base_ev.get("error"), rows=results, bench_s=total)
     print_table(out)
     js = json.dumps(out)
-    print("BENCH_JSON " + js)
+    print("EPOCH_JSON " + js)
     if a.json:
         p = Path(a.json); p.parent.mkdir(parents=True, exist_ok=True)
         tmpf = p.with_suffix(".tmp"); tmpf.write_text(js); tmpf.replace(p)
