@@ -11,7 +11,7 @@ waste (padded positions / computed positions), the peak resident memory of its p
 and the held-out loss of its merged weights measured by ONE evaluator (transformers, fp32, the mean cross-entropy of
 every response token of the held-out rows), then each one's ratios against tunebook packed.
 
-    python bench/bench_epoch.py [--rows 320] [--max-seq-len 1024] [--methods lora,full] [--json PATH]
+    python bench/bench_epoch.py [--rows 32] [--max-seq-len 1024] [--methods lora,full] [--json PATH]
     python bench/bench_epoch.py --smoke      # a tiny subset, seconds per run: the rows exist and run everywhere
 
 Needs the bench venv (torchtune 0.6.1, trl, transformers, peft) with tunebook on PYTHONPATH, and the SmolLM2 folder
@@ -296,8 +296,9 @@ ENTRIES = (("tunebook", "packed"), ("tunebook", "padded"), ("trl", None), ("torc
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="Hugging Face folder (default: tests/realckpt.py's SmolLM2-135M-Instruct)")
-    ap.add_argument("--rows", type=int, default=320, help="training rows")
-    ap.add_argument("--eval-rows", type=int, default=40, help="held-out rows")
+    ap.add_argument("--rows", type=int, default=32, help="training rows (32: about 8 minutes for the whole bench on a 2-core CPU under load)")
+    ap.add_argument("--eval-rows", type=int, default=12, help="held-out rows")
+    ap.add_argument("--warmup", type=int, default=2, help="linear warmup steps, then cosine to 0 (every framework)")
     ap.add_argument("--max-seq-len", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=8, help="rows per step (padded modes)")
     ap.add_argument("--pack-batch", type=int, default=2, help="packed sequences of max-seq-len per step (packed modes)")
@@ -348,7 +349,7 @@ def main(argv=None):
             for f, mode in order:
                 spec = dict(framework=f, mode=mode.replace("+compile", ""), compile="+compile" in mode, method=method, model=model,
                             data=str(data), out=str(Path(tmp) / f"{f}_{mode}_{method}"), threads=a.threads, device=a.device,
-                            lr=a.lr_lora if method == "lora" else a.lr_full, warmup=2 if a.smoke else 5,
+                            lr=a.lr_lora if method == "lora" else a.lr_full, warmup=1 if a.smoke else a.warmup,
                             batch=a.batch, pack_batch=a.pack_batch, max_seq_len=a.max_seq_len,
                             dtype=a.torchtune_dtype if f == "torchtune" else dtype)
                 r = spawn(spec, timeout=1800)
@@ -362,7 +363,7 @@ def main(argv=None):
             if "model_dir" in r: r["eval_loss"] = losses.get(r.pop("model_dir"))
         base_ev = dict(eval_loss=losses.get(model), error=ev.get("error"))
     total = time.perf_counter() - t_start
-    out = dict(cpu=cpu_line(), load_average=os.getloadavg(), data=st, dtype=dtype, threads=a.threads, smoke=a.smoke,
+    out = dict(benchmark="epoch", cpu=cpu_line(), load_average=os.getloadavg(), data=st, dtype=dtype, threads=a.threads, smoke=a.smoke,
                eval_loss_base=base_ev.get("eval_loss"), eval_error=base_ev.get("error"), rows=results, bench_s=total)
     print_table(out)
     js = json.dumps(out)
@@ -376,7 +377,7 @@ def main(argv=None):
 def print_table(out):
     print(f"\nCPU: {out['cpu']}; load average at the end {out['load_average'][0]:.1f}; bench {out['bench_s']:.0f} s")
     print(f"held-out loss of the untrained model (same evaluator): {out['eval_loss_base']}")
-    hdr = f"{'method':6s} {'framework:mode':26s} {'epoch s':>8s} {'trained tok/s':>13s} {'padding':>8s} {'steps':>5s} {'peak RSS MiB':>12s} {'held-out loss':>13s} {'tunebook packed is x faster':>28s}"
+    hdr = f"{'method':6s} {'framework:mode':26s} {'epoch s':>8s} {'trained tok/s':>13s} {'computed tok/s':>14s} {'padding':>8s} {'steps':>5s} {'peak RSS MiB':>12s} {'held-out loss':>13s} {'tunebook packed is x faster':>28s}"
     print(hdr); print("-" * len(hdr))
     for m in dict.fromkeys(r["method"] for r in out["rows"]):
         rows = [r for r in out["rows"] if r["method"] == m]
@@ -389,7 +390,7 @@ def print_table(out):
             ratio = (r["epoch_s"] / ref["epoch_s"]) if ref else float("nan")
             r["tunebook_packed_speedup"] = ratio
             ev = f"{r['eval_loss']:.4f}" if r.get("eval_loss") is not None else "n/a"
-            print(f"{m:6s} {name:26s} {r['epoch_s']:8.1f} {r['trained_tokens_per_s']:13.1f} {r['padding_waste']:8.1%} {r['steps']:5d} "
+            print(f"{m:6s} {name:26s} {r['epoch_s']:8.1f} {r['trained_tokens_per_s']:13.1f} {r['computed_tokens'] / r['epoch_s']:14.1f} {r['padding_waste']:8.1%} {r['steps']:5d} "
                   f"{r['peak_rss'] / 2**20:12.0f} {ev:>13s} {ratio:27.2f}x")
 
 
