@@ -115,6 +115,7 @@ def run_tunebook(a, data: Path, out: Path) -> dict:
             "--max-seq-len", str(a["max_seq_len"]), "--batch-size", str(a["pack_batch"] if packed else a["batch"]),
             "--packing" if packed else "--no-packing", "--dtype", a["dtype"], "--eval-fraction", "0", "--eval-samples", "0",
             "--output-dir", str(out / "run"), "--quiet", "--seed", "0", "--device", a["device"]]
+    if a["chunked_ce"]: args += ["--chunked-ce", str(a["chunked_ce"])]
     if a["compile"]: args.append("--compile")
     import tunebook.cli as cli
     t0 = time.perf_counter()
@@ -309,6 +310,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default="auto", help="tunebook's --dtype; TRL gets bf16 autocast when it resolves to bf16-mixed")
     ap.add_argument("--torchtune-dtype", default="bf16", help="bf16 (its recipes' default) or fp32")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--chunked-ce", type=int, default=8, help="tunebook's --chunked-ce (vocabulary-sliced loss; 0: full logits)")
     ap.add_argument("--frameworks", default=",".join(f if m is None else f"{f}:{m}" for f, m in ENTRIES))
     ap.add_argument("--compile", action="store_true", help="also a tunebook packed row with --compile")
     ap.add_argument("--device", default="cpu")
@@ -342,7 +344,7 @@ def main(argv=None):
         st = make_data(model, data, a.rows, a.eval_rows, a.max_seq_len, a.seed)
         print(f"data: {st['rows']} training rows ({st['tokens']} tokens, {st['label_tokens']} response tokens), {st['eval_rows']} held out; "
               f"tokens per row min {st['min']} median {st['median']} p90 {st['p90']} max {st['max']}; max_seq_len {a.max_seq_len}; "
-              f"dtype {dtype} (tunebook, TRL), torchtune {a.torchtune_dtype}; {a.threads} thread(s)")
+              f"dtype {dtype} (tunebook, TRL), torchtune {a.torchtune_dtype}; tunebook chunked_ce {a.chunked_ce}; {a.threads} thread(s)")
         results = []
         for i, method in enumerate(methods):
             order = entries if i % 2 == 0 else entries[::-1]   # alternate who runs first
@@ -350,7 +352,7 @@ def main(argv=None):
                 spec = dict(framework=f, mode=mode.replace("+compile", ""), compile="+compile" in mode, method=method, model=model,
                             data=str(data), out=str(Path(tmp) / f"{f}_{mode}_{method}"), threads=a.threads, device=a.device,
                             lr=a.lr_lora if method == "lora" else a.lr_full, warmup=1 if a.smoke else a.warmup,
-                            batch=a.batch, pack_batch=a.pack_batch, max_seq_len=a.max_seq_len,
+                            batch=a.batch, pack_batch=a.pack_batch, chunked_ce=a.chunked_ce, max_seq_len=a.max_seq_len,
                             dtype=a.torchtune_dtype if f == "torchtune" else dtype)
                 r = spawn(spec, timeout=1800)
                 results.append(dict(framework=f, mode=mode, method=method, **r))
