@@ -11,7 +11,7 @@ waste (padded positions / computed positions), the peak resident memory of its p
 and the held-out loss of its merged weights measured by ONE evaluator (transformers, fp32, the mean cross-entropy of
 every response token of the held-out rows), then each one's ratios against tunebook packed.
 
-    python bench/bench_epoch.py [--rows 32] [--max-seq-len 1024] [--methods lora,full] [--json PATH]
+    python bench/bench_epoch.py [--rows 16] [--max-seq-len 1024] [--methods lora,full] [--json PATH]
     python bench/bench_epoch.py --smoke      # a tiny subset, seconds per run: the rows exist and run everywhere
 
 Needs the bench venv (torchtune 0.6.1, trl, transformers, peft) with tunebook on PYTHONPATH, and the SmolLM2 folder
@@ -297,7 +297,7 @@ ENTRIES = (("tunebook", "packed"), ("tunebook", "padded"), ("trl", None), ("torc
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="Hugging Face folder (default: tests/realckpt.py's SmolLM2-135M-Instruct)")
-    ap.add_argument("--rows", type=int, default=32, help="training rows (32: about 8 minutes for the whole bench on a 2-core CPU under load)")
+    ap.add_argument("--rows", type=int, default=16, help="training rows (16: about 20 minutes for the whole bench on 2 cores under load 8-12)")
     ap.add_argument("--eval-rows", type=int, default=12, help="held-out rows")
     ap.add_argument("--warmup", type=int, default=2, help="linear warmup steps, then cosine to 0 (every framework)")
     ap.add_argument("--max-seq-len", type=int, default=1024)
@@ -357,13 +357,16 @@ def main(argv=None):
                 r = spawn(spec, timeout=1800)
                 results.append(dict(framework=f, mode=mode, method=method, **r))
                 print(f"  {method:4s} {f}:{mode}: " + (f"ERROR {r['error']}" if "error" in r else
-                      f"{r['epoch_s']:.1f} s for the epoch, {r['process_s']:.1f} s the process"), flush=True)
-        dirs = [model] + [r["model_dir"] for r in results if "model_dir" in r]
-        ev = spawn(dict(framework="eval", model_dirs=dirs, model=model, data=str(data), out=tmp, threads=a.threads, device=a.device), timeout=1800)
-        losses = ev.get("eval_loss") or {}
-        for r in results:
-            if "model_dir" in r: r["eval_loss"] = losses.get(r.pop("model_dir"))
-        base_ev = dict(eval_loss=losses.get(model), error=ev.get("error"))
+                      f"{r['epoch_s']:.1f} s for the epoch, {r['process_s']:.1f} s the process"), "ROW_JSON", json.dumps(r), flush=True)
+            # the method's models are scored at once (the untrained one with the first), so a cut-short run keeps them
+            dirs = ([model] if i == 0 else []) + [r["model_dir"] for r in results if "model_dir" in r]
+            ev = spawn(dict(framework="eval", model_dirs=dirs, model=model, data=str(data), out=tmp, threads=a.threads, device=a.device), timeout=1800)
+            losses = ev.get("eval_loss") or {}
+            if i == 0: base_ev = dict(eval_loss=losses.get(model), error=ev.get("error"))
+            for r in results:
+                if "model_dir" in r: r["eval_loss"] = losses.get(r.pop("model_dir"))
+            print(f"  held-out losses ({method}): base {base_ev['eval_loss']}; " + "; ".join(
+                f"{r['framework']}:{r['mode']} {r.get('eval_loss')}" for r in results if r["method"] == method), flush=True)
     total = time.perf_counter() - t_start
     out = dict(benchmark="epoch", cpu=cpu_line(), load_average=os.getloadavg(), data=st, dtype=dtype, threads=a.threads, smoke=a.smoke,
                eval_loss_base=base_ev.get("eval_loss"), eval_error=base_ev.get("error"), rows=results, bench_s=total)
