@@ -23,7 +23,6 @@ import os
 import platform
 import random
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -137,7 +136,7 @@ def run_trl(a, data: Path, out: Path) -> dict:
     "TRL's SFTTrainer on the same ids (prompt masked by completion_mask), in the mode asked: padded, grouped, padding_free, packed."
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
     rows = _tok_rows(data, "train")
     ds = Dataset.from_list([dict(input_ids=r["ids"], completion_mask=[0] * r["prompt_len"] + [1] * (len(r["ids"]) - r["prompt_len"]))
@@ -158,13 +157,10 @@ def run_trl(a, data: Path, out: Path) -> dict:
                     packing=packed, padding_free=mode == "padding_free", dataloader_num_workers=0,
                     train_sampling_strategy="group_by_length" if mode == "grouped" else "random", disable_tqdm=True)
     stats = dict(computed=0, real=0, steps=0)
-
-    class Count(TrainerCallback):   # the positions each step computes, read from the batch the collator made
-        pass
     trainer = SFTTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok, peft_config=peft_config)
     collate = trainer.data_collator
 
-    def counting(batch):
+    def counting(batch):   # the positions each step computes, read from the batch the collator made
         b = collate(batch)
         stats["computed"] += b["input_ids"].numel()
         stats["real"] += int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
