@@ -3,11 +3,13 @@
 # tools, torchtune 0.6.1 + torchao 0.15.0, transformers, peft, liger-kernel where it installs), run the notebooks'
 # cuda-flagged cells (`nbdev_test --flags cuda`) and `pytest -m cuda`, then bench/bench_device.py: tunebook,
 # torchtune and transformers+peft on a Llama-3.2-1B-shaped model, bf16, eager and compiled, Liger where it
-# imports; a table of tokens/s, allocator peak and MFU, and the same as JSON; with 4+ GPUs, bench/bench_mesh.py's
-# 2-D mesh row (FSDP, HSDP 2 x 2, FSDP 2 x TP 2 with loss parallel; --smoke: 2 gloo ranks).
+# imports; a table of tokens/s, allocator peak and MFU, and the same as JSON; then bench/bench_epoch.py: one epoch of ragged
+# real rows (SmolLM2-135M-Instruct, LoRA) by tunebook padded/packed/compiled, TRL's SFTTrainer and torchtune's packed recipe
+# (its JSON beside the first, *_epoch.json); with 4+ GPUs, bench/bench_mesh.py's 2-D mesh row (FSDP, HSDP 2 x 2,
+# FSDP 2 x TP 2 with loss parallel; --smoke: 2 gloo ranks).
 #
 #   bash bench/device.sh              # on a CUDA machine (network needed only for what is not installed yet)
-#   bash bench/device.sh --smoke      # on the CPU: tiny shapes, few steps, no installs, under 2 minutes
+#   bash bench/device.sh --smoke      # on the CPU: tiny shapes, few steps, no installs, a few minutes
 #   bash bench/device.sh --json PATH  # where the JSON goes (default: $OUT/device_bench.json or bench/results/)
 #
 # Environment: TUNEBOOK_BENCH_PY (the python for --smoke; default .venv/bin/python), TUNEBOOK_DEVICE_VENV
@@ -21,7 +23,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --smoke) SMOKE=1 ;;
     --json) JSON="$2"; shift ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "device.sh: unknown argument '$1' (use --smoke, --json PATH or --help)" >&2; exit 2 ;;
   esac
   shift
@@ -34,8 +36,11 @@ if [ "$SMOKE" = 1 ]; then
   PY="${TUNEBOOK_BENCH_PY:-.venv/bin/python}"
   [ -x "$PY" ] || command -v "$PY" >/dev/null || { echo "device.sh --smoke: no python at $PY (make install, or set TUNEBOOK_BENCH_PY)" >&2; exit 2; }
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-  "$PY" bench/bench_device.py --smoke --json "$JSON" --budget-s 200 || exit $?
-  exec "$PY" bench/bench_mesh.py --smoke --json "${JSON%.json}_mesh.json"   # the 2-D mesh row: 2 gloo ranks
+  "$PY" bench/bench_device.py --smoke --json "$JSON" --budget-s 200; rc=$?
+  # the ragged-epoch row: one epoch of real rows, tunebook packed/padded vs TRL vs torchtune, LoRA (bench_epoch.py)
+  "$PY" bench/bench_epoch.py --smoke --methods lora --json "${JSON%.json}_epoch.json"; rc2=$?
+  "$PY" bench/bench_mesh.py --smoke --json "${JSON%.json}_mesh.json"; rc3=$?   # the 2-D mesh row: 2 gloo ranks
+  [ $rc = 0 ] && [ $rc2 = 0 ] && [ $rc3 = 0 ]; exit $?
 fi
 
 START=$(date +%s)
@@ -67,7 +72,7 @@ BENCH=$("$PY" -c "import configparser; c = configparser.ConfigParser(); c.read('
 # tunebook with settings.ini's dev_requirements (the test tools, transformers, peft), as CI installs it
 "$PY" -c "import tunebook, nbdev, transformers, peft" 2>/dev/null && "$PY" -m pip install -q --no-deps -e . >/dev/null 2>&1 \
   || { pipi -c "$CONSTRAINTS" -e '.[dev]' && STATUS[tunebook]=installed || STATUS[tunebook]="install failed"; }
-"$PY" -c "import torchtune, torchao" 2>/dev/null || { pipi -c "$CONSTRAINTS" $BENCH && STATUS[torchtune]=installed || STATUS[torchtune]="install failed"; }
+"$PY" -c "import torchtune, torchao, trl" 2>/dev/null || { pipi -c "$CONSTRAINTS" $BENCH && STATUS[torchtune]=installed || STATUS[torchtune]="install failed"; }
 "$PY" -c "import liger_kernel.transformers" 2>/dev/null || { pipi -c "$CONSTRAINTS" liger-kernel && STATUS[liger]=installed || STATUS[liger]="does not install here"; }
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name(), '| transformers', transformers.__version__)"
 
@@ -97,6 +102,14 @@ if [ "$(left)" -gt 90 ]; then  # the mixed mode too (fp32 master weights, bf16 a
   STATUS[bench_mixed]=$([ $rc = 0 ] && echo "ok: $JSON_MIXED" || echo "exit $rc (see above): $JSON_MIXED")
 fi
 
+if [ "$(left)" -gt 120 ]; then  # the ragged-epoch row on the GPU: one epoch of real rows, LoRA, with tunebook's compiled row
+  phase "benchmarks: one ragged epoch"
+  JSON_EPOCH="${JSON%.json}_epoch.json"
+  timeout "$(( $(left) - 10 ))" "$PY" bench/bench_epoch.py --device cuda --dtype bf16-mixed --torchtune-dtype bf16 --methods lora \
+    --compile --json "$JSON_EPOCH"; rc=$?
+  STATUS[bench_epoch]=$([ $rc = 0 ] && echo "ok: $JSON_EPOCH" || echo "exit $rc (see above): $JSON_EPOCH")
+fi
+
 phase "benchmarks: 2-D mesh (FSDP, HSDP, FSDP x TP with loss parallel)"
 if [ "$(nvidia-smi -L | wc -l)" -ge 4 ] && [ "$(left)" -gt 60 ]; then
   timeout "$(( $(left) - 10 ))" "$PY" bench/bench_mesh.py --json "${JSON%.json}_mesh.json"; rc=$?
@@ -104,5 +117,5 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 4 ] && [ "$(left)" -gt 60 ]; then
 else STATUS[mesh]="skipped: needs 4 GPUs and a minute ($(nvidia-smi -L | wc -l) GPU(s), $(left) s left)"; fi
 
 echo; echo "######## summary ($(( $(date +%s) - START )) s)"
-for k in torch tunebook torchtune liger notebooks pytest bench bench_mixed mesh; do [ -n "${STATUS[$k]:-}" ] && echo "  $k: ${STATUS[$k]}"; done
-case "${STATUS[notebooks]}${STATUS[pytest]}${STATUS[bench]}${STATUS[bench_mixed]:-}${STATUS[mesh]:-}" in *FAILED*|*exit*) exit 1 ;; esac
+for k in torch tunebook torchtune liger notebooks pytest bench bench_mixed bench_epoch mesh; do [ -n "${STATUS[$k]:-}" ] && echo "  $k: ${STATUS[$k]}"; done
+case "${STATUS[notebooks]}${STATUS[pytest]}${STATUS[bench]}${STATUS[bench_mixed]:-}${STATUS[bench_epoch]:-}${STATUS[mesh]:-}" in *FAILED*|*exit*) exit 1 ;; esac

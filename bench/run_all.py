@@ -4,7 +4,7 @@ Each benchmark runs in its own Python process (so thread settings and allocator 
 to the next) with its own output shown as it comes. Benchmarks that accept `--json` write their result into
 `--out` (default: a temporary folder), and the summary at the end is read from those files.
 
-    python bench/run_all.py                      # bench_model, bench_finetune, bench_grpo (when present)
+    python bench/run_all.py                      # bench_model, bench_finetune, bench_grpo, bench_epoch (when present)
     python bench/run_all.py --only finetune      # names are matched against the script names
     python bench/run_all.py --out bench/results  # keep the JSON files
     python bench/run_all.py -- --steps 3         # extra arguments go to every benchmark (same flags needed)
@@ -20,7 +20,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-BENCHMARKS = ("bench_model.py", "bench_finetune.py", "bench_grpo.py")  # run in this order, when present
+BENCHMARKS = ("bench_model.py", "bench_finetune.py", "bench_grpo.py", "bench_epoch.py")  # run in this order, when present
 
 
 def _accepts_json(script: Path) -> bool:
@@ -38,6 +38,9 @@ def _summary(name: str, res: dict) -> list[str]:
                 lines.append(f"{method:4s} {peer:28s} tokens/s {v['tokens_per_s']:.2f}x   peak memory {v['peak_memory']:.2f}x")
         lines.append(f"first-step losses agree: {res['losses_agree']}")
         return lines
+    if res.get("benchmark") == "epoch":   # one epoch of ragged rows: the peer's epoch time over tunebook packed's
+        return [f"{r['method']:4s} {r['framework'] + ':' + r['mode']:26s} epoch {r['tunebook_packed_speedup']:.2f}x tunebook packed's, "
+                f"held-out loss {r['eval_loss']:.4f}" for r in res["rows"] if "error" not in r]
     ratios = {k: v for k, v in res.items() if "ratio" in k and isinstance(v, (int, float))}
     return [f"{k} {v:.2f}" for k, v in ratios.items()] or ["(see its output above)"]
 

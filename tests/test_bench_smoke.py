@@ -26,12 +26,17 @@ def _peers_missing():
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
+def bench_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("bench")
+
+
+@pytest.fixture(scope="module")
+def smoke(bench_dir):
     missing = _peers_missing()
     if missing:
         pytest.skip(f"bench peers not importable in {PY} ({missing}); install them with "
                     "`pip install -e '.[bench,dev]'` in a separate venv and set TUNEBOOK_BENCH_PY to its python")
-    js = tmp_path_factory.mktemp("bench") / "device.json"
+    js = bench_dir / "device.json"
     env = dict(os.environ, TUNEBOOK_BENCH_PY=PY, OMP_NUM_THREADS="1")
     p = subprocess.run(["bash", "bench/device.sh", "--smoke", "--json", str(js)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=HANG)   # a hang guard: a loaded machine is slow, not broken
@@ -86,3 +91,50 @@ def test_smoke_prints_table(smoke):
     out = smoke[2]
     assert "MFU*" in out and "first-step loss spread by method" in out
     assert not [l for l in out.splitlines() if "liger=True" in l and "tok/s" in l]  # Liger rows are not run on the CPU
+
+
+# ---- the ragged-epoch row (bench/bench_epoch.py --smoke --methods lora, run by device.sh --smoke beside the above)
+EPOCH_ENTRIES = {("tunebook", "packed"), ("tunebook", "padded"), ("trl", "grouped"), ("torchtune", "packed")}
+
+
+@pytest.fixture(scope="module")
+def epoch(smoke, bench_dir):
+    line = [l for l in smoke[2].splitlines() if l.startswith("EPOCH_JSON ")]
+    assert len(line) == 1, smoke[2][-3000:]
+    res = json.loads(line[0].removeprefix("EPOCH_JSON "))
+    assert res == json.loads((bench_dir / "device_epoch.json").read_text())   # what it prints is what it writes
+    return res
+
+
+def test_epoch_every_framework_ran(epoch):
+    assert {(r["framework"], r["mode"]) for r in epoch["rows"]} == EPOCH_ENTRIES
+    assert not [r for r in epoch["rows"] if "error" in r], [r["error"] for r in epoch["rows"] if "error" in r]
+    assert all(r["method"] == "lora" for r in epoch["rows"]) and epoch["smoke"] is True
+    assert "flags" in epoch["cpu"] and epoch["cpu"].split(",")[0]   # the CPU is named, with its flags
+    d = epoch["data"]
+    assert 0 < d["min"] <= d["median"] <= d["p90"] <= d["max"] <= 128 and d["rows"] == 12 and d["eval_rows"] == 4
+
+
+def test_epoch_same_rows_everywhere(epoch):
+    "Each framework rendered/read the same rows: it trains exactly the response tokens, and computes each row's tokens once."
+    d = epoch["data"]
+    for r in epoch["rows"]:
+        assert r["trained_tokens"] == d["label_tokens"], (r["framework"], r["mode"], r["trained_tokens"], d["label_tokens"])
+        real = r["computed_tokens"] * (1 - r["padding_waste"])   # padding waste = padded positions / computed positions
+        assert real == pytest.approx(d["tokens"], abs=0.5), (r["framework"], r["mode"], real, d["tokens"])
+        assert r["trained_tokens_per_s"] == pytest.approx(r["trained_tokens"] / r["epoch_s"], rel=1e-9)
+
+
+def test_epoch_common_evaluator(epoch):
+    "One evaluator scores every result: finite, and one epoch of LoRA lowers the held-out loss of the untrained model."
+    base = epoch["eval_loss_base"]
+    assert math.isfinite(base) and 1.0 < base < 10.0, base
+    for r in epoch["rows"]:
+        assert math.isfinite(r["eval_loss"]) and r["eval_loss"] < base - 0.05, (r["framework"], r["mode"], r["eval_loss"], base)
+        assert r["peak_rss"] > 2**28 and r["epoch_s"] > 0
+
+
+def test_epoch_prints_table(epoch, smoke):
+    out = smoke[2]
+    assert "tokens per row min" in out and "held-out loss of the untrained model" in out and "CPU: " in out
+    assert len([l for l in out.splitlines() if l.startswith("lora ")]) == len(EPOCH_ENTRIES)
