@@ -17,12 +17,14 @@ from tunebook import cli
 from tunebook.chat import chat_parser, generate_parser
 from tunebook.core import EMBEDDED_DIR
 from tunebook.lmeval import eval_parser
+from tunebook.export import export_parser
 from tunebook.push import push_parser
 
 PARSERS = {name: p for name, p in cli.build_parser().subcommands.items() if name not in cli.PASSTHROUGH}
-PARSERS.update(generate=generate_parser(), chat=chat_parser(), eval=eval_parser(), push=push_parser())
+PARSERS.update(generate=generate_parser(), chat=chat_parser(), eval=eval_parser(), push=push_parser(), export=export_parser())
 REQUIRED = {"generate": [str(EMBEDDED_DIR), "--prompt", "hi"], "chat": [str(EMBEDDED_DIR)],
             "eval": [str(EMBEDDED_DIR), "--tasks", "hellaswag"], "push": ["/nonexistent/run", "me/model"],
+            "export": [str(EMBEDDED_DIR), "--to", "gguf"],
             "distill": ["--method", "lora"], "estimate": ["--method", "lora"]}   # positionals and required flags; distill and estimate
 # default to full fine-tuning, where the LoRA flags are unused (and unchecked)
 
@@ -45,13 +47,15 @@ class Reached(Exception):
 def no_work(monkeypatch):
     "Replace the work of every command by raising Reached."
     def reached(*a, **k): raise Reached()
-    import tunebook.chat, tunebook.lmeval, tunebook.memory, tunebook.live, tunebook.push
+    import tunebook.chat, tunebook.lmeval, tunebook.memory, tunebook.live, tunebook.push, tunebook.export
     monkeypatch.setattr(cli, "_launch_torchrun", reached)   # training commands: right after their options are validated
     monkeypatch.setattr(tunebook.chat, "load_for_chat", reached)
     monkeypatch.setattr(tunebook.lmeval, "TunebookLM", reached)
     monkeypatch.setattr(tunebook.memory, "estimate", reached)
     monkeypatch.setattr(tunebook.live, "compare_techniques", reached)
     monkeypatch.setattr(tunebook.push, "push_plan", reached)
+    monkeypatch.setattr(tunebook.export, "convert", reached)        # export: after its checks, where llama.cpp's converter starts
+    monkeypatch.setattr(tunebook.export, "write_merged", reached)
 
 
 def _kind(a: argparse.Action) -> str | None:
@@ -100,6 +104,7 @@ HAND = [
     ("compare", ["--combos", "baseline", "--json", "/nonexistent/dir/x.json"]),   # found before every combination ran
     ("grpo", ["--reward", "/nonexistent/reward.py:fn"]), ("finetune", ["--data", "/nonexistent/d.jsonl"]),
     ("push", ["--revision", ""]), ("push", ["--token", " "]),
+    ("export", ["--quant", "q5_weird"]), ("export", ["--output", "/etc/hostname"]), ("export", ["--quant", "q8_0", "f16", "q8_0", "--to", "merged"]),
     ("config", ["show", "no-such-recipe"]), ("config", ["cp", "embedded-lora", "/nonexistent/dir/x.yaml"]), ("config", ["frobnicate"]),
 ]
 

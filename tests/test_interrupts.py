@@ -107,7 +107,7 @@ def test_a_rerun_into_a_used_folder_never_serves_the_earlier_outputs(tmp_path, c
     bad = Trainer(_cfg("finetune", out, method="full", lr=1e30, warmup_steps=0, max_grad_norm=None, max_steps=3))
     with pytest.raises(Exception, match="no model was written"): bad.fit(progress=False)
     assert not (out / "adapter").exists() and not (out / "model").exists()
-    assert "removed model, adapter, summary.json, metrics.csv, loss.png, samples.jsonl of the earlier run" in capsys.readouterr().err
+    assert "removed model, adapter, README.md, summary.json, metrics.csv, loss.png, samples.jsonl of the earlier run" in capsys.readouterr().err
     assert {json.loads(l)["step"] for l in (out / "samples.jsonl").read_text().splitlines()} == {0}
 
 

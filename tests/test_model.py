@@ -146,7 +146,8 @@ def test_param_counts_match_transformers(name):
     assert type(hf).__name__ == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                                  "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                                  "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-                                 "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}[ours.config.arch]
+                                 "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM", "mixtral": "MixtralForCausalLM",
+                                 "olmoe": "OlmoeForCausalLM"}[ours.config.arch]
     n_hf = sum(p.numel() for p in hf.parameters())
     assert count_params(ours) == n_hf
 
