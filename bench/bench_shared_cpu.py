@@ -9,7 +9,7 @@ Policies: `spin` (libgomp's default: `GOMP_SPINCOUNT=300000`, which tunebook lea
 same model and LoRA step in transformers + peft, torch imported first (so it spins, as any torch program does by
 default): its slowdown under the same load is the yardstick. Quote the ratios, with the CPU and the load printed.
 
-    python bench/bench_shared_cpu.py [--steps 20] [--rounds 2] [--json bench/results/shared_cpu.json]
+    python bench/bench_shared_cpu.py [--steps 20] [--rounds 2] [--busy N] [--spin 10000] [--json bench/results/shared_cpu.json]
 """
 import argparse
 import json
@@ -81,16 +81,19 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=2, help="each (condition, program) is measured this many times, alternating; medians")
+    ap.add_argument("--busy", type=int, default=0, help="busy processes started for the loaded condition (default: one per core)")
+    ap.add_argument("--spin", default="", help="also tunebook with these middle spin counts (GOMP_SPINCOUNT), e.g. 10000,30000")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "TUNEBOOK_SET_OMP_WAIT")}
     programs = {"tunebook, spinning (before)": (TUNEBOOK, {**base, "GOMP_SPINCOUNT": "300000"}),
                 "tunebook (its default now)": (TUNEBOOK, base),
+                **{f"tunebook, GOMP_SPINCOUNT={n}": (TUNEBOOK, {**base, "GOMP_SPINCOUNT": n}) for n in a.spin.split(",") if n},
                 "transformers + peft (torch's default)": (PEER, base)}
     print(f"CPU: {cpu_info()}; load average at start {os.getloadavg()[0]:.2f}", flush=True)
     rows = {}
     for cond in ("quiet", "loaded"):
-        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)] if cond == "loaded" else []
+        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.busy or os.cpu_count() or 1)] if cond == "loaded" else []
         try:
             time.sleep(1 if busy else 0)
             for r in range(a.rounds):

@@ -252,3 +252,73 @@ def test_padding_and_trained_shares_are_reported(tok, tmp_path):
     b = _trainer(tok, tmp_path / "single", batch_size=1, max_steps=4).setup()
     s = b.fit(progress=False)
     assert s["padding_share"] == 0.0 and 0 < s["trained_share"] < 1
+
+
+def _big_vocab_trainer(tok, out, vocab=40_000, **kw):
+    "A run whose model has a real model's vocabulary (ids past the tokenizer's are never seen, only scored)."
+    torch.manual_seed(0)
+    model = build_model(pico(vocab_size=vocab, dim=32, hidden_dim=64))
+    cfg = TrainConfig(model="given", task="reverse", n_train=64, eval_samples=0, batch_size=8, max_steps=2, dtype="fp32",
+                      output_dir=str(out), **kw)
+    return Trainer(cfg, model=model, tokenizer=tok)
+
+
+def test_chunked_ce_left_unset_slices_a_large_vocabulary_only(tok, tmp_path):
+    """chunked_ce left unset: 8 vocabulary slices for a vocabulary of 32,768 or more (the loss the same as full logits, in
+    fp32 to 1e-5), full logits for a small one or where the sliced loss cannot hold the output projection; the log says which."""
+    from tunebook.loss import ChunkedCrossEntropy
+    auto = _big_vocab_trainer(tok, tmp_path / "auto").setup()
+    assert auto.config.chunked_ce == 8 and isinstance(auto.loss_fn, ChunkedCrossEntropy)
+    assert auto.choices["loss_report"].startswith("by 8 vocabulary slices (chunked_ce left unset: full fp32 logits of the 40,000-token")
+    full = _big_vocab_trainer(tok, tmp_path / "full", chunked_ce=0).setup()
+    assert full.loss_fn is None and "loss_report" not in full.choices   # a value given is kept, and not reported as chosen
+    a, b = auto.train_step()["loss"], full.train_step()["loss"]
+    assert abs(a - b) <= 1e-5 * abs(b), (a, b)
+    small = _trainer(tok, tmp_path / "small").setup()   # 300 tokens
+    assert small.config.chunked_ce == 0 and small.loss_fn is None and "300-token vocabulary" in small.choices["loss_report"]
+    head = _big_vocab_trainer(tok, tmp_path / "head", lora_targets=("q_proj", "lm_head")).setup()
+    assert head.config.chunked_ce == 0 and "lm_head carries a LoRA adapter" in head.choices["loss_report"]
+    auto.claim_output()
+    assert "loss: by 8 vocabulary slices" in (tmp_path / "auto" / "log.txt").read_text()
+
+
+def _ragged_file(path, n=48, seed=0):
+    "Rows of a few to about a hundred characters: padded batches would be mostly padding."
+    import random
+    rnd = random.Random(seed)
+    words = ["abc", "hello", "tune", "book", "loop", "step", "model", "data"]
+    rows = [{"prompt": "reverse " + " ".join(rnd.choice(words) for _ in range(rnd.choice([1, 1, 1, 2, 12, 24]))), "response": "x"}
+            for _ in range(n)]
+    for r in rows: r["response"] = r["prompt"][8:][::-1]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_packing_left_unset_packs_ragged_file_rows_and_keeps_rows_a_step(tok, tmp_path):
+    """packing left unset: a file whose padded batches would be mostly padding is packed, with about batch_size rows a step
+    (so the learning rate and the steps an epoch keep their meaning), every labelled token of the file trained once an epoch,
+    the choice in the log; a file of even rows, a synthetic task and a value given are left as they are."""
+    f = _ragged_file(tmp_path / "ragged.jsonl")
+    t = _trainer(tok, tmp_path / "auto", data=str(f), eval_fraction=0.1, max_seq_len=256, batch_size=8, epochs=1,
+                 max_steps=TrainConfig.max_steps).setup()
+    assert t.config.packing is True and type(t.rows).__name__ == "PackedDataset", t.choices.get("packing_report")
+    k = t.config.batch_size
+    docs_a_step = k * t.rows.n_examples / len(t.rows)
+    assert k < 8 and 4 <= docs_a_step <= 16, (k, docs_a_step)
+    assert t.choices["packing_report"].startswith(f"on (packing left unset: {t.rows.n_examples} rows of ")
+    labelled = sum(sum(l != -100 for l in t.train_data[i]["labels"]) for i in range(len(t.train_data)))
+    trained = sum(int((t.micro_batch(g)["labels"] != -100).sum()) for g in range(t.n_batches))
+    assert trained == labelled   # one epoch: each row's labelled tokens exactly once
+    t.claim_output()
+    assert "packing: on (packing left unset" in (tmp_path / "auto" / "log.txt").read_text()
+    again = _trainer(tok, tmp_path / "auto", data=str(f), eval_fraction=0.1, max_seq_len=256, batch_size=8, epochs=1,
+                     max_steps=TrainConfig.max_steps).setup()
+    assert (again.config.packing, again.config.batch_size) == (True, k)   # the same choice every time: a resume finds it
+    given = _trainer(tok, tmp_path / "given", data=str(f), eval_fraction=0.1, max_seq_len=256, packing=False).setup()
+    assert given.config.packing is False and "packing_report" not in given.choices and given.config.batch_size == 8
+    even = tmp_path / "even.jsonl"
+    even.write_text("".join(json.dumps({"prompt": f"reverse {w}", "response": w[::-1]}) + "\n" for w in ["abcd", "hell", "tune", "book"] * 10))
+    e = _trainer(tok, tmp_path / "even", data=str(even), eval_fraction=0.1, max_seq_len=40).setup()
+    assert e.config.packing is False and e.choices["packing_report"].startswith("off (packing left unset: 36 rows of ")
+    s = _trainer(tok, tmp_path / "task").setup()
+    assert s.config.packing is False and "packing_report" not in s.choices

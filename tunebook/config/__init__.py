@@ -205,7 +205,7 @@ class SFTDataPart(Part):
     response_field: str = "response"     # instruct format: the column holding the answer
     messages_field: str = "messages"     # chat format: the column holding the list of {role, content} turns
     train_on: str = "all"                # multi-turn chat: learn "all" assistant turns or only the "last"
-    packing: bool = False                # pack several rows into each sequence (attention stays within each row)
+    packing: bool | None = None          # pack several rows into each sequence (attention stays within each row); None: a data file's rows are packed when padding would be most of the compute (said in the log)
 
     _formats: typing.ClassVar[tuple] = tuple(f for f in FORMATS if f != "preference")   # what --format accepts (DPO reads preference pairs)
 
@@ -306,7 +306,7 @@ def mesh_problems(mesh: str, world: int) -> list[str]:
 @dataclass
 class MemoryPart(Part):
     "Memory techniques and processes."
-    chunked_ce: int = 0                  # >0: the output projection and its loss (cross-entropy, log-probs, KL) by vocabulary slices, never full logits; 0: off
+    chunked_ce: int | None = None        # >0: the output projection and its loss (cross-entropy, log-probs, KL) by vocabulary slices, never full logits; 0: off; None: auto (8 for a vocabulary of 32,768 or more, said in the log)
     activation_checkpointing: bool = False  # recompute each block's activations in backward instead of keeping them
     activation_offloading: bool = False  # keep saved activations in host memory until backward
     optimizer_in_backward: bool = False  # step each parameter inside backward and free its gradient at once
@@ -320,7 +320,7 @@ class MemoryPart(Part):
 
     def problems(self) -> list[str]:
         bad, o = [], self.opt
-        if self.chunked_ce < 0: bad.append(f"{o('chunked_ce')} must be >= 0 (0 = off)")
+        if self.chunked_ce is not None and self.chunked_ce < 0: bad.append(f"{o('chunked_ce')} must be >= 0 (0 = off; leave it unset for auto)")
         if self.optimizer_in_backward:
             bad += in_backward_problems(getattr(self, "grad_accum_steps", 1), getattr(self, "max_grad_norm", None))
         if self.nproc < 1: bad.append(f"{o('nproc')} must be >= 1")

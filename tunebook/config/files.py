@@ -187,7 +187,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip=()) -> None:
             flag, ann = "--" + f.name.replace("_", "-"), str(f.type)
             # argparse %-formats help text: a literal % (as in "50%") must be doubled or --help crashes
             h = helps.get(f.name, "").replace("%", "%%")
-            if isinstance(default, bool):
+            if isinstance(default, bool) or ann.replace(" ", "") in ("bool|None", "typing.Optional[bool]"):   # --flag / --no-flag (unset: None, the config's auto)
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=h)
             elif isinstance(default, tuple):
                 group.add_argument(flag, type=lambda s: tuple(x.strip() for x in s.split(",") if x.strip()), default=default,

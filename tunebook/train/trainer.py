@@ -17,13 +17,14 @@ from ..config import TUNED, TrainConfig
 from ..core import count_params, fit_threads, get_device, patch, seed_everything
 from ..precision import resolve_precision
 from ..loggers import make_loggers
+from ..loss import projection_weight
 from ..optim import adamw, decay_groups, fused_available, get_schedule, optimizer_in_backward
 from ..rundir import RunLock, StepFailed, UserCodeError, data_fingerprint, warn
 from .load import model_width
 from .objective import SFT, Objective
 
 # %% auto #0
-__all__ = ['call_hook', 'user_call', 'Trainer']
+__all__ = ['AUTO_CE_SLICES', 'AUTO_CE_MIN_VOCAB', 'call_hook', 'user_call', 'auto_chunked_ce', 'Trainer']
 
 # %% ../../nbs/11_training_loop.ipynb #70aac6b8
 def call_hook(cb, hook: str, *args):
@@ -46,6 +47,19 @@ def user_call(obj, method: str, tr, *args):
     except Exception as e:
         raise UserCodeError(f"{type(obj).__module__}.{type(obj).__qualname__}.{method} raised {type(e).__name__}: {e} "
                             f"(at step {tr.step + 1})") from e
+
+AUTO_CE_SLICES, AUTO_CE_MIN_VOCAB = 8, 32768   # chunked_ce left unset: this many slices for a vocabulary at least this large
+
+def auto_chunked_ce(tr) -> tuple[int, str]:
+    "What chunked_ce left unset (None) means for this run, and why: vocabulary slices for a large vocabulary where the objective slices its loss."
+    if tr.objective.chunked_ce is None: return 0, f"full logits (chunked_ce left unset: {type(tr.objective).__name__} computes no loss by vocabulary slices)"
+    if "tp=" in (getattr(tr.config, "mesh", None) or ""): return 0, "logits split over the vocabulary (chunked_ce left unset: tensor parallel computes the loss on the shards)"
+    try: vocab = projection_weight(tr.model).shape[0]
+    except ValueError as e: return 0, f"full logits (chunked_ce left unset: {str(e).split(':')[0]})"   # a LoRA on lm_head: its adapter needs the full projection
+    if vocab < AUTO_CE_MIN_VOCAB: return 0, f"full logits (chunked_ce left unset: a {vocab:,}-token vocabulary's logits are small)"
+    mib = (tr.max_seq_len or 0) * vocab * 4 / 2**20
+    return AUTO_CE_SLICES, (f"by {AUTO_CE_SLICES} vocabulary slices (chunked_ce left unset: full fp32 logits of the {vocab:,}-token vocabulary "
+                            f"would hold {mib:,.0f} MiB per row of {tr.max_seq_len} tokens, and the sliced loss is faster; --chunked-ce 0 keeps them)")
 
 class Trainer:
     "A training run: `fit()` does it all; `setup()` / `train_step()` / `evaluate()` do it a piece at a time. What is trained: `objective`."
@@ -155,6 +169,7 @@ class Trainer:
     def _apply_memory_techniques(self):
         "The techniques every objective gets from the loop; the objective builds its own loss object, if its steps use one."
         c = self.config
+        if c.chunked_ce is None: c.chunked_ce, self.choices["loss_report"] = auto_chunked_ce(self)   # resolved once, on the loaded model
         self.loss_fn = self.objective.make_loss_fn(self)   # SFT: the chunked cross-entropy when chunked_ce > 0; DPO...: none
         if c.activation_checkpointing:
             from tunebook.memory import apply_activation_checkpointing
