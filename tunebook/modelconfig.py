@@ -12,13 +12,13 @@ from dataclasses import dataclass
 __all__ = ['ARCHS', 'LAYER_TYPES', 'BUILDERS', 'qwen3_5_layer_types', 'gpt_oss_layer_types', 'ModelConfig', 'llama3_2_1b',
            'llama3_2_3b', 'llama3_1_8b', 'llama3_1_70b', 'qwen2_5_0_5b', 'qwen2_5_1_5b', 'qwen2_5_7b', 'smollm2_135m',
            'smollm2_360m', 'pico', 'qwen3_0_6b', 'qwen3_1_7b', 'qwen3_4b', 'qwen3_8b', 'gemma3_layer_types',
-           'gemma3_270m', 'gemma3_1b', 'gemma3_4b', 'mistral_7b_v0_3', 'phi3_mini', 'phi4_mini',
+           'gemma4_layer_types', 'gemma3_270m', 'gemma3_1b', 'gemma3_4b', 'mistral_7b_v0_3', 'phi3_mini', 'phi4_mini',
            'smollm3_no_rope_layers', 'smollm3_3b', 'qwen3_30b_a3b', 'qwen3_235b_a22b', 'gpt_oss_20b', 'gpt_oss_120b',
-           'mixtral_8x7b', 'olmoe_1b_7b', 'get_config']
+           'mixtral_8x7b', 'olmoe_1b_7b', 'gemma4_e2b', 'gemma4_31b', 'gemma4_26b_a4b', 'get_config']
 
 # %% ../nbs/01_decoder.ipynb #e1dd86f0
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "smollm3", "qwen3_moe", "qwen3_5_text", "gpt_oss",
-         "mixtral", "olmoe", "qwen3_5_moe_text")
+         "mixtral", "olmoe", "qwen3_5_moe_text", "gemma4_text")
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 
 def qwen3_5_layer_types(n_layers: int, interval: int = 4) -> list[str]:
@@ -76,6 +76,13 @@ class ModelConfig:
     swiglu_limit: float | None = None   # experts' clamped SwiGLU: the clamp of gate (above) and up (both sides) (gpt-oss: 7.0)
     swiglu_alpha: float = 1.702         # its sigmoid gain
     shared_expert_dim: int = 0          # inner size of a shared expert beside the routed ones, 0 = none (HF: shared_expert_intermediate_size)
+    global_head_dim: int | None = None  # head_dim of the full-attention layers (Gemma 4: 512); None: head_dim
+    global_kv_heads: int | None = None  # their key/value heads (Gemma 4: num_global_key_value_heads, with k_eq_v); None: n_kv_heads
+    k_eq_v: bool = False                # full-attention layers have no v_proj: v is k_proj's output (Gemma 4: attention_k_eq_v)
+    kv_shared_layers: int = 0           # the last this-many layers reuse the keys/values of the last earlier layer of their kind (Gemma 4)
+    per_layer_dim: int = 0              # each layer's per-layer input embedding width, 0 = none (Gemma 4: hidden_size_per_layer_input)
+    per_layer_vocab: int | None = None  # their vocabulary (HF: vocab_size_per_layer_input); None: vocab_size
+    double_wide_mlp: bool = False       # the KV-sharing layers' MLPs are 2 x hidden_dim wide (Gemma 4: use_double_wide_mlp)
 
     def __post_init__(self):
         if self.head_dim is None: self.head_dim = self.dim // self.n_heads
@@ -117,6 +124,23 @@ class ModelConfig:
                                  f"moe_hidden_dim={self.moe_hidden_dim}, decoder_sparse_step={self.decoder_sparse_step}")
         if self.shared_expert_dim and not self.n_experts:
             raise ValueError(f"shared_expert_dim={self.shared_expert_dim} needs routed experts (n_experts > 0) beside it.")
+        if self.arch == "gemma4_text": self._check_gemma4()
+        elif any((self.global_head_dim, self.global_kv_heads, self.k_eq_v, self.kv_shared_layers, self.per_layer_dim,
+                  self.per_layer_vocab, self.double_wide_mlp)):
+            raise ValueError(f"global_head_dim, global_kv_heads, k_eq_v, kv_shared_layers, per_layer_dim, per_layer_vocab and "
+                             f"double_wide_mlp are Gemma 4's (arch={self.arch!r} has none); leave them unset.")
+
+    def _check_gemma4(self):
+        if self.layer_types is None: self.layer_types = gemma4_layer_types(self.n_layers)
+        if self.sliding_window is None or self.layer_types[-1] != "full_attention" or "linear_attention" in self.layer_types:
+            raise ValueError("a gemma4_text config needs sliding_window set and sliding/full layer_types ending with full_attention "
+                             f"(transformers forces the last layer to full attention); got {self.layer_types}.")
+        shared = self.layer_types[self.n_layers - self.kv_shared_layers:] if self.kv_shared_layers else []
+        if not 0 <= self.kv_shared_layers < self.n_layers or set(shared) - set(self.layer_types[:self.n_layers - self.kv_shared_layers]):
+            raise ValueError(f"kv_shared_layers={self.kv_shared_layers}: the last layers reuse the keys/values of an earlier layer of "
+                             f"their kind, so it must be 0..n_layers-1 and leave one of each kind before them ({self.layer_types}).")
+        if self.global_kv_heads and (not self.k_eq_v or self.n_heads % self.global_kv_heads):
+            raise ValueError(f"global_kv_heads={self.global_kv_heads} needs k_eq_v=True (as transformers reads it) and must divide n_heads.")
 
     @property
     def rotary_dim(self) -> int:
@@ -173,6 +197,10 @@ def qwen3_8b(**kw):   return ModelConfig(**{**_QWEN3, **dict(dim=4096, n_layers=
 def gemma3_layer_types(n_layers: int, pattern: int = 6) -> list[str]:
     "Gemma 3's pattern: five local (sliding) layers, then one global, repeated."
     return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+
+def gemma4_layer_types(n_layers: int, pattern: int = 6) -> list[str]:
+    "Gemma 4's default pattern: Gemma 3's (`pattern` - 1 sliding, one global), the last layer always global."
+    return gemma3_layer_types(n_layers, pattern)[:-1] + ["full_attention"] if n_layers else []
 
 def _gemma3(n_layers, **kw):
     base = dict(vocab_size=262144, head_dim=256, norm_eps=1e-6, max_seq_len=32768, rope_theta=1000000.0,
@@ -232,6 +260,24 @@ def olmoe_1b_7b(**kw): return ModelConfig(**{**dict(vocab_size=50304, dim=2048, 
                                                     eos_token_id=50279, pad_token_id=1, n_experts=64, experts_per_token=8, moe_hidden_dim=1024,
                                                     norm_topk_prob=False, router_aux_loss_coef=0.01, mlp_only_layers=[]), **kw})
 
+# Gemma 4: the text_config of google/gemma-4-E2B, -31B and -26B-A4B (values and their sources: tests/test_gemma4.py)
+def _gemma4(n_layers, pattern=6, **kw):
+    base = dict(vocab_size=262144, head_dim=256, global_head_dim=512, norm_eps=1e-6, max_seq_len=262144, rope_theta=1000000.0,
+                rope_scaling={"rope_type": "proportional", "partial_rotary_factor": 0.25}, rope_local_theta=10000.0,
+                qk_norm=True, hidden_act="gelu_pytorch_tanh", tie_embeddings=True, arch="gemma4_text",
+                bos_token_id=2, eos_token_id=1, pad_token_id=0, sliding_window=1024, final_softcap=30.0, n_layers=n_layers,
+                layer_types=gemma4_layer_types(n_layers, pattern))
+    return ModelConfig(**{**base, **kw})
+def gemma4_e2b(**kw): return _gemma4(kw.pop("n_layers", 35), 5, **{**dict(dim=1536, n_heads=8, n_kv_heads=1, hidden_dim=6144, sliding_window=512,
+                                                                        max_seq_len=131072, kv_shared_layers=20, double_wide_mlp=True,
+                                                                        per_layer_dim=256, per_layer_vocab=262144), **kw})
+def gemma4_31b(**kw): return _gemma4(kw.pop("n_layers", 60), **{**dict(dim=5376, n_heads=32, n_kv_heads=16, hidden_dim=21504, k_eq_v=True,
+                                                                     global_kv_heads=4), **kw})
+def gemma4_26b_a4b(**kw): return _gemma4(kw.pop("n_layers", 30), **{**dict(dim=2816, n_heads=16, n_kv_heads=8, hidden_dim=2112, k_eq_v=True,
+                                                                         global_kv_heads=2, n_experts=128, experts_per_token=8,
+                                                                         moe_hidden_dim=704, norm_topk_prob=True, router_aux_loss_coef=0.0,
+                                                                         mlp_only_layers=[]), **kw})
+
 BUILDERS = {"llama3.2-1b": llama3_2_1b, "llama3.2-3b": llama3_2_3b, "llama3.1-8b": llama3_1_8b,
             "llama3.1-70b": llama3_1_70b, "qwen2.5-0.5b": qwen2_5_0_5b, "qwen2.5-1.5b": qwen2_5_1_5b,
             "qwen2.5-7b": qwen2_5_7b, "smollm2-135m": smollm2_135m, "smollm2-360m": smollm2_360m,
@@ -240,7 +286,8 @@ BUILDERS = {"llama3.2-1b": llama3_2_1b, "llama3.2-3b": llama3_2_3b, "llama3.1-8b
             "mistral-7b-v0.3": mistral_7b_v0_3, "phi3-mini": phi3_mini, "phi4-mini": phi4_mini, "smollm3-3b": smollm3_3b,
             "qwen3-30b-a3b": qwen3_30b_a3b, "qwen3-235b-a22b": qwen3_235b_a22b,
             "gpt-oss-20b": gpt_oss_20b, "gpt-oss-120b": gpt_oss_120b, "pico": pico,
-            "mixtral-8x7b": mixtral_8x7b, "olmoe-1b-7b": olmoe_1b_7b}
+            "mixtral-8x7b": mixtral_8x7b, "olmoe-1b-7b": olmoe_1b_7b,
+            "gemma4-e2b": gemma4_e2b, "gemma4-31b": gemma4_31b, "gemma4-26b-a4b": gemma4_26b_a4b}
 
 def get_config(name: str, **overrides) -> ModelConfig:
     "The `ModelConfig` of a named builder; the error lists the known names."

@@ -169,6 +169,9 @@ def rough_estimate(cfg: ModelConfig, method="lora", batch_size=1, seq_len=2048, 
                    lora_experts: bool = False,   # LoRA on the MoE experts too (lora_targets ("all-linear", "experts"))
                    ) -> MemoryReport:
     "Bytes by category from a formula (exact for parameters and optimizer state, approximate for activations)."
+    if cfg.arch == "gemma4_text":
+        raise ValueError("the rough formula does not count Gemma 4's parts (per-layer embeddings, KV sharing, two head shapes, "
+                         "experts beside the dense MLP); use estimate(), which runs the step on shapes.")
     wb = 4 if dtype == "fp32" else 2
     q, kv, d, h, L = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.dim, cfg.hidden_dim, cfg.n_layers
     lin, total, n_tensors = _n_params(cfg)
