@@ -334,6 +334,7 @@ def test_published_configs_read_as_the_builders():
 def test_config_errors_name_the_problem():
     text = {"model_type": "gemma4_text", **CONFIGS["ple-shared"]}
     with pytest.raises(ValueError, match="use_bidirectional_attention"): config_from_hf({**text, "use_bidirectional_attention": "all"})
+    with pytest.raises(ValueError, match="text_config"): config_from_hf({**text, "model_type": "gemma4"})
     with pytest.raises(ValueError, match="rope_type 'yarn'"):
         config_from_hf({**text, "rope_parameters": {S: {"rope_type": "default"}, F: {"rope_type": "yarn", "factor": 2.0}}})
     with pytest.raises(ValueError, match="sliding layers"):

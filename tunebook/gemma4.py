@@ -116,6 +116,8 @@ class Gemma4Block(SandwichBlock):
         self.register_buffer("layer_scalar", torch.ones(1))   # persistent: the checkpoint holds it
         _act(act); self.act = act
 
+    def normal_init(self, std: float): self.layer_scalar.fill_(1.0)   # as transformers starts it (init_weights, after to_empty)
+
     def feed_forward(self, h): return self.mlp(self.pre_feedforward_layernorm(h))
 
     def _forward(self, x, cos, sin, mask, per_layer_input, kv):

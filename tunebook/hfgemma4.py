@@ -55,7 +55,13 @@ def _rope4(hf: dict, source: str) -> tuple[float, dict | None, float]:
 
 def gemma4_config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     "A `ModelConfig` from a Gemma 4 config.json: `gemma4_text`, or the text decoder of a multimodal `gemma4`."
-    if hf.get("model_type") == "gemma4": hf = hf.get("text_config") or {}
+    if hf.get("model_type") == "gemma4":   # Gemma4ForConditionalGeneration: the text decoder is text_config
+        flat = [k for k in ("hidden_size", "num_hidden_layers", "intermediate_size") if k in hf]
+        if flat and not hf.get("text_config"):
+            raise ValueError(f"{source}: model_type 'gemma4' (the multimodal Gemma4ForConditionalGeneration) reads its text model from "
+                             f"'text_config', which this file lacks; its text fields ({', '.join(flat)}) are at the top level, as in "
+                             "a text-only Gemma 4: set \"model_type\": \"gemma4_text\" (and \"architectures\": [\"Gemma4ForCausalLM\"]).")
+        hf = hf.get("text_config") or {}
     hf = {**_GEMMA4_TEXT, **hf}
     if hf["rope_parameters"] is None: hf["rope_parameters"] = _GEMMA4_TEXT["rope_parameters"]   # as transformers: None is the default
     for k in ("use_bidirectional_attention",):
