@@ -404,3 +404,20 @@ def test_peft_adapter_loads_in_tunebook(tmp_path, name):
     ids = _tokens(2, 11)
     with torch.no_grad(): diff = (ours(ids) - pm(ids).logits).abs().max().item()
     assert diff <= 1e-5, diff
+
+
+@pytest.mark.parametrize("name", ["ple-shared", "moe-keqv"])
+def test_the_memory_estimator_counts_gemma4(name):
+    """The estimator (the step run on shapes) counts the model's parameters, its LoRA adapters on all linears and the
+    experts, and for the MoE the active ones; the rough formula counts the parameters exactly but refuses the rest."""
+    from tunebook.memory import estimate, rough_estimate
+    from tunebook.memory.formulas import _n_params
+    cfg = config_from_hf({"model_type": "gemma4_text", **CONFIGS[name]})
+    m = build_model(cfg, device="meta")
+    full = estimate(cfg, method="full", batch_size=2, seq_len=16, dtype="fp32")
+    assert full.settings["params"] == count_params(m) == _n_params(cfg)[1] and full.categories["parameters"] == 4 * count_params(m)
+    lora = estimate(cfg, method="lora", batch_size=2, seq_len=16, dtype="fp32", lora_rank=4,
+                    lora_targets=("all-linear", "experts") if cfg.n_experts else ("all-linear",))
+    assert lora.settings["params"] - lora.settings["trainable_params"] == count_params(m)
+    if cfg.n_experts: assert full.settings["active_params"] == count_active_params(m) < count_params(m)
+    with pytest.raises(ValueError, match="rough formula"): rough_estimate(cfg)
