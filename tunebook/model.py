@@ -224,7 +224,7 @@ def _build_gemma4(cfg: ModelConfig, dt, dev, init: bool) -> Gemma4Transformer:
     if s.get("rope_type", "default") not in ("default", "proportional"):
         raise ValueError(f"Gemma 4's global layers take default or proportional RoPE; got {s}.")
     with default_dtype(dt), dev:
-        rope = (ProportionalRotaryEmbedding(cfg.global_head_dim or cfg.head_dim, cfg.rope_theta, s["partial_rotary_factor"], s.get("factor", 1.0))
+        rope = (ProportionalRotaryEmbedding(cfg.global_head_dim or cfg.head_dim, cfg.rope_theta, s.get("partial_rotary_factor", 1.0), s.get("factor", 1.0))
                 if s.get("rope_type") == "proportional" else RotaryEmbedding(cfg.global_head_dim or cfg.head_dim, cfg.rope_theta))
         ple = dict(embed_tokens_per_layer=ScaledEmbedding(cfg.per_layer_vocab or cfg.vocab_size, L * P, P ** 0.5),
                    per_layer_model_projection=nn.Linear(D, L * P, bias=False), per_layer_projection_norm=Gemma4RMSNorm(P, cfg.norm_eps)) if P else {}
