@@ -147,7 +147,7 @@ def test_param_counts_match_transformers(name):
                                  "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                                  "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                                  "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM", "mixtral": "MixtralForCausalLM",
-                                 "olmoe": "OlmoeForCausalLM"}[ours.config.arch]
+                                 "olmoe": "OlmoeForCausalLM", "gemma4_text": "Gemma4ForCausalLM"}[ours.config.arch]
     n_hf = sum(p.numel() for p in hf.parameters())
     assert count_params(ours) == n_hf
 

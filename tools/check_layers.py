@@ -13,8 +13,8 @@ from pathlib import Path
 # module (dotted, inside the package) -> layer; a subpackage's modules take their package's layer unless listed
 LAYERS = {
     "__init__": 0, "_modidx": 0, "core": 0,
-    "attention": 1, "layers": 1, "moe": 1, "deltanet": 1, "gptoss": 1, "modelconfig": 1, "model": 1,
-    "checkpoint": 2, "hfconfig": 2, "tokenizer": 2, "data": 2, "records": 2, "batches": 2, "tasks": 2, "generate": 2, "hub": 2, "llamacpp": 2, "ollama": 2,
+    "attention": 1, "layers": 1, "moe": 1, "deltanet": 1, "gptoss": 1, "gemma4": 1, "modelconfig": 1, "model": 1,
+    "checkpoint": 2, "hfconfig": 2, "hfgemma4": 2, "tokenizer": 2, "data": 2, "records": 2, "batches": 2, "tasks": 2, "generate": 2, "hub": 2, "llamacpp": 2, "ollama": 2,
     "lora": 3, "loss": 3, "optim": 3, "memory": 3, "precision": 3, "compile": 3,
     "distributed": 4, "launch": 4, "mesh": 4,
     "train": 5, "config": 5, "rundir": 5, "preference": 5, "logprobs": 5, "kto": 5, "vllmgen": 5, "dpo": 5, "distill": 5, "grpo": 5, "embedded": 5, "loggers": 5, "lmeval": 5, "card": 5, "export": 5,

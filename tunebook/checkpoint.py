@@ -15,17 +15,19 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from .core import check_dir, get_dtype, read_json
 from .model import ModelConfig, Transformer, build_model
 from .gptoss import mxfp4_dequantize
+from .hfgemma4 import gemma4_file_tensors
 from .hfconfig import SUPPORTED, config_from_hf, config_to_hf  # the config.json mapping (03_checkpoints), re-exported
 _all_ = ['SUPPORTED', 'config_from_hf', 'config_to_hf']
 
 # %% auto #0
-__all__ = ['hf_key', 'our_key', 'text_key', 'hf_tensors', 'family_key', 'our_slot', 'fused_experts', 'expected_tensors', 'unfuse',
-           'read_hf_config', 'load_hf', 'publish_dir', 'save_hf', 'load_embedded', 'SUPPORTED', 'config_from_hf',
-           'config_to_hf']
+__all__ = ['CHECKPOINT_BUFFERS', 'hf_key', 'our_key', 'text_key', 'hf_tensors', 'family_key', 'our_slot', 'fused_experts',
+           'named_tensors', 'expected_tensors', 'unfuse', 'read_hf_config', 'load_hf', 'publish_dir', 'save_hf',
+           'load_embedded', 'SUPPORTED', 'config_from_hf', 'config_to_hf']
 
 # %% ../nbs/03_checkpoints.ipynb #a086dad2
 def hf_key(name: str) -> str:
@@ -72,11 +74,18 @@ def fused_experts(cfg: ModelConfig | None) -> bool:
     "Whether the family's checkpoints store experts stacked, as one tensor per projection (gpt-oss), not one per expert."
     return cfg is not None and cfg.arch == "gpt_oss"
 
+CHECKPOINT_BUFFERS = ("layer_scalar",)   # buffers a checkpoint holds beside the parameters (Gemma 4's per-layer output scale)
+
+def named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    "The parameters (tied ones under each name) and the checkpointed buffers of `model`, by our name."
+    return list(model.named_parameters(remove_duplicate=False)) + \
+        [(n, b) for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] in CHECKPOINT_BUFFERS]
+
 def expected_tensors(model: Transformer) -> dict[str, torch.Size]:
     "Hugging Face key -> shape for every tensor a checkpoint of `model` holds."
     tied = model.config is not None and model.config.tie_embeddings
     fused = fused_experts(model.config)
-    return {k: t.shape for n, p in model.named_parameters(remove_duplicate=False)
+    return {k: t.shape for n, p in named_tensors(model)
             if not (tied and n == "lm_head.weight") for k, t in hf_tensors(n, p, fused).items()}
 
 def unfuse(key: str, shape: tuple, fused: bool = False) -> list[tuple]:
@@ -123,7 +132,7 @@ def load_hf(path, dtype=None, device="cpu") -> Transformer:
     "Load a Hugging Face folder of a supported family (safetensors only) into a `Transformer`."
     root = Path(path)
     cfg, hf = read_hf_config(root, raw=True)
-    multimodal = hf.get("model_type") in ("gemma3", "qwen3_5", "qwen3_5_moe")   # keep the text decoder, skip the vision tower (and Qwen3.5's mtp.*)
+    multimodal = hf.get("model_type") in ("gemma3", "qwen3_5", "qwen3_5_moe", "gemma4")   # keep the text decoder, skip the vision tower (and Qwen3.5's mtp.*)
     files = _weight_files(root)
     handles = {f: _open(f) for f in files}
     # 3. check names and shapes from the headers alone
@@ -162,7 +171,7 @@ def load_hf(path, dtype=None, device="cpu") -> Transformer:
     model = model.to_empty(device=device).to(dt)
     model.tie_weights()
     model.reset_buffers()
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params = dict(named_tensors(model))
     with torch.no_grad():
         for k in expected:
             key, part = orig[k]
@@ -201,10 +210,11 @@ def save_hf(model: Transformer, path, dtype=None, max_shard_size: int = 5 * 2**3
     if model.config is None: raise ValueError("the model has no .config; build it with build_model or load_hf.")
     path = Path(path)
     tensors = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
+    for n, p in named_tensors(model):
         if model.config.tie_embeddings and n == "lm_head.weight": continue
         for k, t in hf_tensors(n, p.detach(), fused_experts(model.config)).items():
             tensors[family_key(k, model.config.arch)] = (t.to(get_dtype(dtype)) if dtype is not None else t).to("cpu").contiguous().clone()
+    if model.config.arch == "gemma4_text": tensors = gemma4_file_tensors(tensors)   # its experts: stacked gate_up_proj, down_proj
     dt = next(iter(tensors.values())).dtype
     shards, cur, size = [], {}, 0
     for k, t in tensors.items():

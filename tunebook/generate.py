@@ -73,6 +73,7 @@ def generate(model: Transformer,
             rep = lambda t: t.repeat_interleave(num_samples, 0)
             for layer in model.layers:   # a KV cache's k, v; a DeltaNet cache's conv inputs and state
                 c = layer.self_attn.cache
+                if c is None: continue   # Gemma 4's KV-sharing layers keep none
                 for name, buf in list(c.named_buffers(recurse=False)): setattr(c, name, rep(buf))
             logits, mask, positions, B = rep(logits), rep(mask), rep(positions), B * num_samples
         out, lps = [[] for _ in range(B)], [[] for _ in range(B)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .core import dtype_name
+from .hfgemma4 import gemma4_config_from_hf, gemma4_config_to_hf
 from .model import gpt_oss_layer_types, ModelConfig, gemma3_layer_types, qwen3_5_layer_types, smollm3_no_rope_layers
 
 # %% auto #0
@@ -18,7 +19,7 @@ SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": 
              "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
              "smollm3": "SmolLM3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
              "gpt_oss": "GptOssForCausalLM", "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM",
-             "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+             "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "gemma4_text": "Gemma4ForCausalLM"}
 _ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 # GptOssConfig's RoPE when config.json gives none: YaRN stretching a 4096-token training context 32 times
 _GPT_OSS_YARN = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=4096)
@@ -73,6 +74,7 @@ _GEMMA3_TEXT = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216,
 def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     "A `ModelConfig` from the dict of a Hugging Face `config.json` (for multimodal Gemma 3: its text decoder)."
     arch = hf.get("model_type")
+    if arch in ("gemma4", "gemma4_text"): return gemma4_config_from_hf(hf, source)   # tunebook.hfgemma4 (multimodal: its text_config)
     flat = [f"{k}={hf[k]}" for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads") if k in hf]
     if arch == "gemma3" and "text_config" not in hf and flat:   # a text-only Gemma 3 labelled with the multimodal type
         raise ValueError(f"{source}: model_type 'gemma3' (the multimodal Gemma3ForConditionalGeneration) reads its text model from "
@@ -215,6 +217,7 @@ def _check_family(cfg: ModelConfig):
 
 def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
     "The `config.json` dict that transformers reads back as the same model."
+    if cfg.arch == "gemma4_text": return gemma4_config_to_hf(cfg, dtype)
     _check_family(cfg)
     hf = {"architectures": [SUPPORTED[cfg.arch]], "model_type": cfg.arch,
           "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers,

@@ -15,11 +15,12 @@ from .modelconfig import *   # ModelConfig, BUILDERS, get_config and the named b
 from .moe import Experts, MoEFeedForward, SharedExpertMoE, TopKRouter, moe_aux_loss
 from .deltanet import DeltaNetBlock, GatedDeltaNet
 from .gptoss import GptOssExperts, GptOssMoE, SinkAttention, TopKSoftmaxRouter
+from .gemma4 import Gemma4RMSNorm, ProportionalRotaryEmbedding, gemma4_block
 from .layers import (FeedForward, FlatRMSNorm, FusedFeedForward, SandwichBlock, ScaledEmbedding, TransformerBlock,
                              default_dtype, init_weights)
 
 # %% auto #0
-__all__ = ['Transformer', 'build_model']
+__all__ = ['Transformer', 'Gemma4Transformer', 'build_model']
 
 # %% ../nbs/01_decoder.ipynb #d9e9d7e8
 class Transformer(nn.Module):
@@ -83,16 +84,20 @@ class Transformer(nn.Module):
         self.moe_attn_mask = None if attn_mask is None else attn_mask[:, -T:]   # the load-balancing loss skips padding
         rope = self.rope(positions)
         local = self.rope_local(positions) if self.rope_local is not None else rope
-        h = self.embed_tokens(tokens)  # (B, T, dim)
-        for layer in self.layers:
-            w = layer.self_attn.sliding_window
-            cos, sin = local if w is not None else rope
-            h = layer(h, cos, sin, pad if isinstance(layer.self_attn, GatedDeltaNet) else masks[w])
+        h = self.run_layers(self.embed_tokens(tokens), tokens, rope, local, masks, pad)
         h = self.norm(h)
         if return_hidden: return h
         logits = self.lm_head(h)
         if self.final_softcap: logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+    def run_layers(self, h, tokens, rope, local, masks, pad):
+        "The blocks in order on the embeddings `h` (B, T, dim); a family with per-layer inputs overrides it."
+        for layer in self.layers:
+            w = layer.self_attn.sliding_window
+            cos, sin = local if w is not None else rope
+            h = layer(h, cos, sin, pad if isinstance(layer.self_attn, GatedDeltaNet) else masks[w])
+        return h
 
     def router_aux_loss(self) -> torch.Tensor | float:
         "`router_aux_loss_coef` x the load-balancing loss of the last forward: the term to add to the training loss (0.0 if dense)."
@@ -118,6 +123,35 @@ class Transformer(nn.Module):
         "Positions already in the KV cache (0 without one)."
         c = self.layers[0].self_attn.cache if len(self.layers) else None
         return 0 if c is None else c.size
+
+class Gemma4Transformer(Transformer):
+    "Gemma 4's decoder: per-layer input embeddings (PLE) for every block, and keys/values handed from producer layers to the KV-sharing ones."
+    def __init__(self, *args, embed_tokens_per_layer: nn.Embedding | None = None,   # (per-layer vocab, n_layers * P), scaled by sqrt(P)
+                 per_layer_model_projection: nn.Linear | None = None,            # dim -> n_layers * P
+                 per_layer_projection_norm: nn.Module | None = None, **kw):      # RMSNorm over P
+        super().__init__(*args, **kw)
+        self.embed_tokens_per_layer, self.per_layer_model_projection = embed_tokens_per_layer, per_layer_model_projection
+        self.per_layer_projection_norm = per_layer_projection_norm
+
+    def per_layer_inputs(self, tokens, h):   # -> (B, T, n_layers, P), or None without PLE
+        "Each layer's input vector per token: (the token's own per-layer embedding + a normed projection of `h`) / sqrt(2)."
+        if self.embed_tokens_per_layer is None: return None
+        L, P = len(self.layers), self.per_layer_projection_norm.weight.shape[0]
+        proj = self.per_layer_projection_norm((self.per_layer_model_projection(h) * h.shape[-1] ** -0.5).reshape(*h.shape[:-1], L, P))
+        return (proj + self.embed_tokens_per_layer(tokens).reshape(*tokens.shape, L, P)) * 2 ** -0.5
+
+    def run_layers(self, h, tokens, rope, local, masks, pad):
+        pli, shared = self.per_layer_inputs(tokens, h), {}   # shared: window (None: global) -> the (k, v) a producer handed on
+        for i, layer in enumerate(self.layers):
+            w = layer.self_attn.sliding_window
+            h = layer(h, *(local if w is not None else rope), masks[w], None if pli is None else pli[:, :, i], shared)
+        return h
+
+    def setup_cache(self, batch_size: int, max_len: int, dtype=None, device=None):
+        "A KV cache for every layer that computes keys and values; the KV-sharing layers keep none."
+        super().setup_cache(batch_size, max_len, dtype, device)
+        for layer in self.layers:
+            if layer.self_attn.reuses_kv: layer.self_attn.cache = None
 
 # %% ../nbs/01_decoder.ipynb #dfaf44bd
 def _moe(cfg: ModelConfig) -> MoEFeedForward:
@@ -167,6 +201,7 @@ def build_model(config: ModelConfig | str, dtype=None, device=None, init: bool =
     "A `Transformer` for `config` (or a builder name such as `llama3.2-1b`)."
     cfg = get_config(config) if isinstance(config, str) else config
     dt, dev = get_dtype(dtype), torch.device(device or "cpu")
+    if cfg.arch == "gemma4_text": return _build_gemma4(cfg, dt, dev, init)
     gemma = cfg.arch == "gemma3_text"
     one_plus_w = cfg.arch in ("gemma3_text", "qwen3_5_text", "qwen3_5_moe_text")
     with default_dtype(dt), dev:
@@ -180,4 +215,23 @@ def build_model(config: ModelConfig | str, dtype=None, device=None, init: bool =
         model.tie_weights()
     if init and dev.type != "meta":
         init_weights(model)
+    return model
+
+def _build_gemma4(cfg: ModelConfig, dt, dev, init: bool) -> Gemma4Transformer:
+    "Gemma 4's decoder (tunebook.gemma4): a proportional RoPE of the global head width, a plain one of the sliding width, PLE."
+    D, L, P = cfg.dim, cfg.n_layers, cfg.per_layer_dim
+    s = cfg.rope_scaling or {}
+    if s.get("rope_type", "default") not in ("default", "proportional"):
+        raise ValueError(f"Gemma 4's global layers take default or proportional RoPE; got {s}.")
+    with default_dtype(dt), dev:
+        rope = (ProportionalRotaryEmbedding(cfg.global_head_dim or cfg.head_dim, cfg.rope_theta, s.get("partial_rotary_factor", 1.0), s.get("factor", 1.0))
+                if s.get("rope_type") == "proportional" else RotaryEmbedding(cfg.global_head_dim or cfg.head_dim, cfg.rope_theta))
+        ple = dict(embed_tokens_per_layer=ScaledEmbedding(cfg.per_layer_vocab or cfg.vocab_size, L * P, P ** 0.5),
+                   per_layer_model_projection=nn.Linear(D, L * P, bias=False), per_layer_projection_norm=Gemma4RMSNorm(P, cfg.norm_eps)) if P else {}
+        model = Gemma4Transformer(ScaledEmbedding(cfg.vocab_size, D, D ** 0.5), [gemma4_block(cfg, i) for i in range(L)],
+                                  Gemma4RMSNorm(D, cfg.norm_eps), nn.Linear(D, cfg.vocab_size, bias=False), rope, cfg,
+                                  rope_local=RotaryEmbedding(cfg.head_dim, cfg.rope_local_theta or 10000.0),
+                                  final_softcap=cfg.final_softcap, **ple)
+        model.tie_weights()
+    if init and dev.type != "meta": init_weights(model)
     return model

@@ -220,7 +220,8 @@ def peft_expert_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list
             E, o, r = a.lora_B.shape
             out[key + ".lora_A.weight"] = a.lora_B.detach().transpose(1, 2).reshape(E * r, o).cpu().contiguous()      # row e*r+j: B_e[:, j]
             out[key + ".lora_B.weight"] = a.lora_A.detach().permute(2, 1, 0).reshape(-1, r * E).cpu().contiguous()    # column j*E+e: A_e[j]
-    return out, sorted(f"mlp.experts.{p}" for p in kinds.pop())
+    where, ps = {re.sub(r"^layers\.\d+\.", "", n) for n in ex}, kinds.pop()   # the experts' place in a layer: mlp.experts (Gemma 4: experts)
+    return out, sorted(f"{w}.{p}" for w in where for p in ps)
 
 def take_expert_tensors(model: nn.Module, cfg: dict, tensors: dict, wfile="adapter") -> dict[str, dict]:
     "Pop peft's expert adapter tensors from `tensors`: our module name -> {tensor name: (A (E, r, in), B (E, out, r))}."

@@ -25,9 +25,9 @@ __all__ = ['ALL_LINEAR_SKIP', 'lora_modules', 'expert_lora_modules', 'apply_lora
 
 # %% ../../nbs/06_lora.ipynb #9d4c3c4b
 # "all-linear" leaves out lm_head, Qwen3.5 DeltaNet's per-head scalar gates (decay a, write strength b: one output
-# per value head, often 4-32, narrower than a default rank) and Qwen3.5-MoE's shared-expert gate (one output);
-# name them as targets to adapt them anyway
-ALL_LINEAR_SKIP = ("lm_head", "in_proj_a", "in_proj_b", "shared_expert_gate")
+# per value head, often 4-32, narrower than a default rank), Qwen3.5-MoE's shared-expert gate (one output) and Gemma 4's
+# router `proj` (one output per expert: the router, as the other families' raw router weights); name them to adapt them anyway
+ALL_LINEAR_SKIP = ("lm_head", "in_proj_a", "in_proj_b", "shared_expert_gate", "proj")
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
     "Name -> LoRALinear for every adapter layer in `model`."

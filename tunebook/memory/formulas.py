@@ -121,8 +121,30 @@ def _block_linears(c: ModelConfig, i: int = 0) -> list[tuple[int, int, bool]]:
     gq = 2 * q if c.attn_output_gate else q   # Qwen3.5's q_proj also gives the output gate
     return [(d, gq, c.qkv_bias), (d, kv, c.qkv_bias), (d, kv, c.qkv_bias), (q, d, c.o_bias)] + mlp
 
+def _gemma4_n_params(c: ModelConfig) -> tuple[int, int, int]:
+    "`_n_params` of Gemma 4: two head shapes, no k/v on KV-sharing layers, no v_proj with k_eq_v, PLE, experts beside the MLP."
+    from ..gemma4 import gemma4_kv_roles
+    D, H, P, E, b = c.dim, c.n_heads, c.per_layer_dim, c.n_experts, c.qkv_bias
+    lin = total = 0
+    tensors = 2 + (0 if c.tie_embeddings else 1) + (3 if P else 0)   # embeddings, final norm, lm_head; PLE table, projection, norm
+    for i, role in enumerate(gemma4_kv_roles(c)):
+        g, moe, reuse = c.window(i) is None, c.is_moe(i), role == "reuse"
+        hd = c.global_head_dim if g and c.global_head_dim else c.head_dim
+        kv = (c.global_kv_heads if g and c.global_kv_heads else c.n_kv_heads) * hd
+        h = c.hidden_dim * (2 if c.double_wide_mlp and reuse else 1)
+        ls = [(D, H * hd, b), (H * hd, D, c.o_bias)] + ([] if reuse else [(D, kv, b)] + ([] if g and c.k_eq_v else [(D, kv, b)]))
+        ls += [(D, h, False), (D, h, False), (h, D, False)] + ([(D, P, False), (P, D, False)] if P else []) + ([(D, E, False)] if moe else [])
+        w = sum(n_in * n_out for n_in, n_out, _ in ls)
+        norms = hd * (1 if reuse else 2) + D * (4 + bool(P) + 3 * moe)   # q/k norms, the block's norms, PLE's, the experts' three
+        lin += w
+        total += w + sum(o for _, o, bias in ls if bias) + norms + (D + E + 3 * E * D * c.moe_hidden_dim if moe else 0)
+        tensors += len(ls) + sum(bias for *_, bias in ls) + (1 if reuse else 2) + 4 + bool(P) + 8 * moe   # MoE: norms, scales, experts
+    ple = (c.per_layer_vocab or c.vocab_size) * c.n_layers * P + D * c.n_layers * P + P if P else 0
+    return lin, total + c.vocab_size * D * (1 if c.tie_embeddings else 2) + D + ple, tensors
+
 def _n_params(c: ModelConfig) -> tuple[int, int, int]:
     "(weights of the block linears, all parameters, parameter tensors) of a config: q/k norms, biases, Gemma's norms, DeltaNet."
+    if c.arch == "gemma4_text": return _gemma4_n_params(c)
     L = c.n_layers
     per = [_block_linears(c, i) for i in range(L)]
     n_norms = 4 if c.arch == "gemma3_text" else 2          # Gemma 3: a norm before and after attention and MLP
@@ -169,6 +191,9 @@ def rough_estimate(cfg: ModelConfig, method="lora", batch_size=1, seq_len=2048, 
                    lora_experts: bool = False,   # LoRA on the MoE experts too (lora_targets ("all-linear", "experts"))
                    ) -> MemoryReport:
     "Bytes by category from a formula (exact for parameters and optimizer state, approximate for activations)."
+    if cfg.arch == "gemma4_text":
+        raise ValueError("the rough formula does not count Gemma 4's parts (per-layer embeddings, KV sharing, two head shapes, "
+                         "experts beside the dense MLP); use estimate(), which runs the step on shapes.")
     wb = 4 if dtype == "fp32" else 2
     q, kv, d, h, L = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.dim, cfg.hidden_dim, cfg.n_layers
     lin, total, n_tensors = _n_params(cfg)
