@@ -5,6 +5,8 @@
 # %% ../nbs/10_scaling_out.ipynb #a1c0e003
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -17,8 +19,8 @@ from .layers import FeedForward, TransformerBlock
 
 
 # %% auto #0
-__all__ = ['FORMS', 'COLWISE', 'ROWWISE', 'parse_mesh', 'build_mesh', 'data_rank', 'tp_problems', 'tp_linear', 'tensor_parallel',
-           'parallelize']
+__all__ = ['FORMS', 'COLWISE', 'ROWWISE', 'parse_mesh', 'build_mesh', 'tp_degree', 'data_rank', 'tp_problems', 'tp_linear',
+           'tensor_parallel', 'parallelize', 'grad_norm', 'clip_grad_norm']
 
 # %% ../nbs/10_scaling_out.ipynb #a1c0e004
 FORMS = (("dp_replicate", "dp_shard"), ("dp", "tp"))
@@ -44,6 +46,10 @@ def build_mesh(spec: str) -> DeviceMesh:
         raise ValueError(f"mesh={spec!r} has {n} ranks but {world} process(es) are running: the sizes must multiply to the world size.")
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     return init_device_mesh(device, tuple(dims.values()), mesh_dim_names=tuple(dims))
+
+def tp_degree(spec: str | None) -> int:
+    "The tensor-parallel size a mesh spec asks for (1: no `tp` dimension, or no mesh)."
+    return parse_mesh(spec).get("tp", 1) if spec else 1
 
 def data_rank(mesh: DeviceMesh | None = None) -> tuple[int, int]:
     "(this rank's data-parallel index, data-parallel ranks): the ranks of one TP group read the same rows."
@@ -126,4 +132,35 @@ def parallelize(model: nn.Module,            # a Transformer built the same on e
     if mesh.mesh_dim_names != ("dp_replicate", "dp_shard"):
         raise ValueError(f"parallelize needs a mesh named (dp_replicate, dp_shard) or (dp, tp), got {mesh.mesh_dim_names}; use build_mesh.")
     return shard_model(model, mesh=mesh, **fsdp)   # fully_shard on a 2-D mesh: replicate over dim 0, shard over dim 1
+
+
+# %% ../nbs/10_scaling_out.ipynb #a1c0e022
+def grad_norm(params) -> torch.Tensor:
+    "The 2-norm of the gradients of `params`, whatever meshes their DTensors live on: squares summed over the dimensions each is sharded on."
+    sums, device = {}, None   # (mesh, the dimensions its gradient is sharded on) -> this rank's sum of squares
+    for p in params:
+        g = p.grad
+        if g is None: continue
+        key = (None, ())
+        if isinstance(g, DTensor):
+            if any(pl.is_partial() for pl in g.placements):
+                raise RuntimeError(f"a gradient is a partial sum over its mesh ({g.placements}): reduce it before measuring its norm")
+            key, g = (g.device_mesh, tuple(d for d, pl in enumerate(g.placements) if pl.is_shard())), g.to_local()
+        s = g.detach().float().pow(2).sum()
+        sums[key], device = sums[key] + s if key in sums else s, g.device
+    total = torch.zeros((), device=device)
+    for (mesh, dims), s in sums.items():   # the same keys in the same order on every rank: the parameters' order
+        for d in dims: dist.all_reduce(s, group=mesh.get_group(d))
+        total = total + s
+    return total.sqrt()
+
+@torch.no_grad()
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    "Scale the gradients of `params` so that their norm (`grad_norm`) is at most `max_norm` (inf: measure only); the norm before."
+    params = [p for p in params if p.grad is not None]
+    norm = grad_norm(params)
+    if math.isfinite(max_norm):   # as torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6), at most 1
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in params: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)   # each rank its shard, in place
+    return norm
 
