@@ -172,7 +172,8 @@ def grad_norm(params) -> torch.Tensor:
         if isinstance(g, DTensor):
             if any(pl.is_partial() for pl in g.placements):
                 raise RuntimeError(f"a gradient is a partial sum over its mesh ({g.placements}): reduce it before measuring its norm")
-            key, g = (g.device_mesh, tuple(d for d, pl in enumerate(g.placements) if pl.is_shard())), g.to_local()
+            # split on a dimension: Shard, and FSDP2's _StridedShard over dp of a TP-split weight (whose is_shard() is False)
+            key, g = (g.device_mesh, tuple(d for d, pl in enumerate(g.placements) if not pl.is_replicate())), g.to_local()
         s = g.detach().float().pow(2).sum()
         sums[key], device = sums[key] + s if key in sums else s, g.device
     total = torch.zeros((), device=device)
