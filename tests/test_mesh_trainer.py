@@ -87,13 +87,16 @@ def test_fsdp_x_tp_trainer_matches_one_process(both, name):
         for k, v in ref["weights"].items(): torch.testing.assert_close(got["weights"][k], v, rtol=0, atol=TOL, msg=k)
         assert got["completions"] == ref["completions"]   # generation eval: the same greedy answers
         for k, v in ref["summary"].items():   # held-out loss, exact match, preference accuracy and margin, before and after
-            if k.startswith(("eval_", "preference_", "mean_margin", "policy_ranks")):
+            if k.startswith(("eval_", "preference_", "mean_margin", "policy_ranks")) and isinstance(v, float):
                 assert abs(got["summary"][k] - v) <= TOL or (v != v and got["summary"][k] != got["summary"][k]), (name, k)
     if name.startswith("full"):   # clipping acted: every step's norm was above max_grad_norm
         assert all(r["grad_norm"] > 0.05 for r in ref["rows"]), ref["rows"]
     if name == "full-resumed":    # it went on from the step-2 checkpoint: step 3 alone was trained by this run
         assert [r["step"] for r in ref["rows"]] == [1, 2, 3]
-    print(f"{name}: losses {[round(r['loss'], 6) for r in four[0][name]['rows']]} in {four[0][name]['seconds']:.0f} s on 4 ranks")
+    print(f"{name}: losses {[round(r['loss'], 6) for r in four[0][name]['rows']]}, gradient norms "
+          f"{[round(r['grad_norm'], 4) for r in four[0][name]['rows']]}, answers {four[0][name]['completions']} "
+          f"in {four[0][name]['seconds']:.0f} s on 4 ranks; largest weight difference "
+          f"{max((four[0][name]['weights'][k] - v).abs().max().item() for k, v in ref['weights'].items()):.1e}")
 
 
 def test_exported_folder_does_not_depend_on_the_mesh(both):

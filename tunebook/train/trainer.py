@@ -119,7 +119,8 @@ class Trainer:
         if self.world > 1 and c.mesh:   # HSDP: replicas over dim 0, shards over dim 1; or tensor parallel, then FSDP over dp
             from tunebook.mesh import build_mesh, data_rank, parallelize
             self.mesh = build_mesh(c.mesh)
-            parallelize(self.model, self.mesh)   # with tp: lm_head's logits stay split over the vocabulary (`tp_context`)
+            # with tp: lm_head's logits stay split over the vocabulary (`tp_context`), the norms run on 1/tp of the tokens each
+            parallelize(self.model, self.mesh, sequence_parallel=True)
             self.dp_rank, self.dp_world = data_rank(self.mesh)
         elif self.world > 1:
             from tunebook.distributed import shard_model
