@@ -1,5 +1,5 @@
-"""The Trainer on an FSDP 2 x TP 2 mesh (`mesh="dp=2,tp=2"`: 4 gloo processes, on 2 cores oversubscribed) against one
-process on the same batches: SFT full (clipping that bites, held-out loss, generation eval, a DCP checkpoint resumed,
+"""The Trainer on an FSDP 2 x TP 2 mesh (`mesh="dp=2,tp=2"`: 4 gloo processes, on 2 cores oversubscribed; loss parallel,
+sequence parallel on the norms) against one process on the same batches: SFT full (clipping that bites, held-out loss, generation eval, a DCP checkpoint resumed,
 the exported Hugging Face folder), SFT LoRA with activation checkpointing, and DPO with LoRA (its reference through the
 split model); losses, gradient norms and weights within 1e-5. And what a tp mesh refuses, one line each."""
 import time
@@ -60,6 +60,7 @@ def train_all(model_dir, out, mesh=None, nproc=1):
         full = lambda v: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
         res[name] = dict(rows=[{k: r[k] for k in ("step", "loss", "grad_norm")} for r in tr.metrics], summary=summary,
                          completions=[c for _, c, _, _ in tr.last_eval], seconds=time.time() - t0,
+                         norm_mesh=getattr(getattr(tr.model.norm.weight, "device_mesh", None), "mesh_dim_names", None),
                          weights={k: full(v) for k, v in tr.model.state_dict().items()})
     return res
 
@@ -89,6 +90,7 @@ def test_fsdp_x_tp_trainer_matches_one_process(both, name):
         for k, v in ref["summary"].items():   # held-out loss, exact match, preference accuracy and margin, before and after
             if k.startswith(("eval_", "preference_", "mean_margin", "policy_ranks")) and isinstance(v, float):
                 assert abs(got["summary"][k] - v) <= TOL or (v != v and got["summary"][k] != got["summary"][k]), (name, k)
+    assert "tp" in (four[0][name]["norm_mesh"] or ())   # sequence parallel: the final norm's weight is a DTensor over tp
     if name.startswith("full"):   # clipping acted: every step's norm was above max_grad_norm
         assert all(r["grad_norm"] > 0.05 for r in ref["rows"]), ref["rows"]
     if name == "full-resumed":    # it went on from the step-2 checkpoint: step 3 alone was trained by this run
