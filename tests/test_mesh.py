@@ -1,5 +1,6 @@
 """2-D meshes on 4 gloo processes (2 cores: oversubscribed) against one process on the same batches: HSDP 2x2, and
-FSDP 2 x TP 2 with loss parallel for a full fine-tune, LoRA and DPO; distributed checkpoints resharded 4 -> 2 -> 1."""
+FSDP 2 x TP 2 with loss parallel for a full fine-tune (also with sequence parallel on the norms), LoRA and DPO;
+distributed checkpoints resharded 4 -> 2 -> 1."""
 import contextlib
 import time
 
@@ -12,7 +13,8 @@ from tunebook.launch import launch
 
 LR, EPS, STEPS, B, T = 2e-3, 1e-5, 2, 4, 16   # eps: see test_distributed (Adam at the fp32 noise floor)
 TOL = 1e-5
-CASES = [("dp_replicate=2,dp_shard=2", "full"), ("dp=2,tp=2", "full"), ("dp=2,tp=2", "lora"), ("dp=2,tp=2", "dpo")]
+CASES = [("dp_replicate=2,dp_shard=2", "full"), ("dp=2,tp=2", "full"), ("dp=2,tp=2", "full-sp"), ("dp=2,tp=2", "lora"),
+         ("dp=2,tp=2", "dpo")]   # full-sp: sequence parallel, the norms and residual adds on half of the tokens each
 
 
 def _batches(pairs=False):
@@ -52,7 +54,7 @@ def train(spec=None, kind="full", save=None):
     from tunebook.mesh import build_mesh, data_rank, parallelize
     model = _model(kind)
     mesh = build_mesh(spec) if spec else None
-    if mesh is not None: parallelize(model, mesh)
+    if mesh is not None: parallelize(model, mesh, sequence_parallel=kind == "full-sp")
     r, n = data_rank(mesh)
     tp = mesh is not None and "tp" in mesh.mesh_dim_names
     lp = loss_parallel if tp else contextlib.nullcontext
@@ -64,9 +66,6 @@ def train(spec=None, kind="full", save=None):
         with torch.no_grad(), lp(): refs = [seq_logprobs(t.chunk(n)[r], l.chunk(n)[r]) for t, l in data]
         # FSDP2 leaves the root's parameters (embeddings, final norm, lm_head) gathered after a forward under no_grad:
         # reshard, so that model.parameters(), and the optimizer built next, are the shards that training updates
-        if hasattr(model, "reshard"): model.reshard()
-        # FSDP2 keeps the root's parameters (embeddings, final norm, lm_head) gathered after a forward under no_grad:
-        # without this the optimizer would update the shards while the next forward read the stale gathered copy
         if hasattr(model, "reshard"): model.reshard()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, eps=EPS)
     losses = []

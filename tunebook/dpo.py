@@ -152,6 +152,7 @@ class DPO(Objective):
     "Preference pairs scored by a pair loss (dpo, ipo, simpo, orpo); `Trainer`'s loop does everything else."
     name, lead = "dpo", "preference_accuracy"
     chunked_ce = "the policy's and the reference's sequence log-probabilities by vocabulary slices (`sequence_logprobs`)"
+    tensor_parallel = "the policy's (and a LoRA reference's) log-probabilities on the vocabulary shards of lm_head (loss_parallel)"
     pure_batches = True   # batch(tr, g) depends on g alone: built a step ahead on a thread where that pays (CUDA)
     def __init__(self, train_pairs=None, eval_pairs=None): self.train_pairs, self.eval_pairs, self.reference = train_pairs, eval_pairs, None
 

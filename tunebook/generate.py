@@ -37,6 +37,11 @@ def sample_next(logits: torch.Tensor,        # (B, vocab) logits of the last pos
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 # %% ../nbs/03_checkpoints.ipynb #7a5f96d3
+def _last_logits(out: torch.Tensor) -> torch.Tensor:
+    "The last position's logits; split over the vocabulary by tensor parallel (a DTensor, chapter 10), gathered whole."
+    x = out[:, -1]
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
+
 @torch.no_grad()
 def generate(model: Transformer,
              prompts: list[list[int]] | torch.Tensor,  # token ids, one list per prompt
@@ -68,7 +73,7 @@ def generate(model: Transformer,
     model.eval()
     model.setup_cache(B, L + max_new_tokens)
     try:
-        logits = model(tokens, positions=positions, attn_mask=mask if ragged else None)[:, -1]
+        logits = _last_logits(model(tokens, positions=positions, attn_mask=mask if ragged else None))
         if num_samples > 1:  # copy each prompt's cache, last logits, mask and positions to its rows
             rep = lambda t: t.repeat_interleave(num_samples, 0)
             for layer in model.layers:   # a KV cache's k, v; a DeltaNet cache's conv inputs and state
@@ -89,7 +94,7 @@ def generate(model: Transformer,
             done |= torch.isin(nxt, eos)
             if bool(done.all()) or step == max_new_tokens - 1: break
             mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], 1)
-            logits = model(nxt[:, None], positions=pos, attn_mask=mask if ragged else None)[:, -1]
+            logits = _last_logits(model(nxt[:, None], positions=pos, attn_mask=mask if ragged else None))
             pos = pos + 1
     finally:
         model.clear_cache()

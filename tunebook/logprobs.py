@@ -23,6 +23,7 @@ def token_logprobs(logits: torch.Tensor,  # (B, T, V) scores
                   ) -> torch.Tensor:      # (B, T) fp32
     "Log-probability of each label under `logits`, in fp32; 0 where the label is -100."
     lp = -F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    if hasattr(lp, "to_local"): lp = lp.to_local()   # logits split over the vocabulary (tensor parallel, in loss_parallel()): each rank holds them all
     return lp.view(labels.shape)
 
 # %% ../nbs/13_preference.ipynb #15496835

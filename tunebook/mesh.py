@@ -5,20 +5,22 @@
 # %% ../nbs/10_scaling_out.ipynb #a1c0e003
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from .attention import Attention, FusedQKVAttention
+from .attention import Attention, FusedQKVAttention, RMSNorm
 from .distributed import require_process_group, shard_model
 from .layers import FeedForward, TransformerBlock
 
 
 # %% auto #0
-__all__ = ['FORMS', 'COLWISE', 'ROWWISE', 'parse_mesh', 'build_mesh', 'data_rank', 'tp_problems', 'tp_linear', 'tensor_parallel',
-           'parallelize']
+__all__ = ['FORMS', 'COLWISE', 'ROWWISE', 'parse_mesh', 'build_mesh', 'tp_degree', 'data_rank', 'tp_problems', 'tp_linear',
+           'tensor_parallel', 'sp_problems', 'split_sequence', 'parallelize', 'grad_norm', 'clip_grad_norm']
 
 # %% ../nbs/10_scaling_out.ipynb #a1c0e004
 FORMS = (("dp_replicate", "dp_shard"), ("dp", "tp"))
@@ -44,6 +46,10 @@ def build_mesh(spec: str) -> DeviceMesh:
         raise ValueError(f"mesh={spec!r} has {n} ranks but {world} process(es) are running: the sizes must multiply to the world size.")
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     return init_device_mesh(device, tuple(dims.values()), mesh_dim_names=tuple(dims))
+
+def tp_degree(spec: str | None) -> int:
+    "The tensor-parallel size a mesh spec asks for (1: no `tp` dimension, or no mesh)."
+    return parse_mesh(spec).get("tp", 1) if spec else 1
 
 def data_rank(mesh: DeviceMesh | None = None) -> tuple[int, int]:
     "(this rank's data-parallel index, data-parallel ranks): the ranks of one TP group read the same rows."
@@ -81,7 +87,8 @@ ROWWISE = {"weight": Shard(1), "bias": Replicate(), "lora_A.weight": Shard(1), "
 def tp_linear(mod: nn.Module,          # nn.Linear, or a LoRALinear around one
               mesh: DeviceMesh,        # the TP ranks (1-D)
               style: str,              # "colwise": split the outputs; "rowwise": split the inputs and sum
-              output: str = "local",   # "local": this rank's part as a plain tensor; "dtensor": the DTensor; "gather": the whole output
+              output: str = "local",   # "local": this rank's part as a plain tensor; "dtensor": the DTensor; "gather": the whole output;
+                                       # "sequence" (rowwise): the sum split over the sequence, a Shard(1) DTensor (sequence parallel)
              ) -> nn.Module:
     "Split a linear layer's parameters over the TP `mesh` (in place): hooks turn its input into a DTensor and its output back."
     plan = COLWISE if style == "colwise" else ROWWISE
@@ -91,39 +98,97 @@ def tp_linear(mod: nn.Module,          # nn.Linear, or a LoRALinear around one
         (mod.get_submodule(owner) if owner else mod).register_parameter(leaf, nn.Parameter(dt, requires_grad=p.requires_grad))
     into = Replicate() if style == "colwise" else Shard(-1)
     def pre(m, args):   # a plain input becomes a DTensor: in backward its gradient is summed over the TP ranks (colwise)
-        return (DTensor.from_local(args[0], mesh, [into], run_check=False), *args[1:])
-    def post(m, args, out):   # rowwise: the partial sums are added (all-reduce); colwise: each rank keeps its columns
-        if style == "rowwise": out = out.redistribute(mesh, [Replicate()])
+        x = args[0]     # a DTensor input (split over the sequence: sequence parallel) is gathered instead
+        return (x.redistribute(mesh, [into]) if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [into], run_check=False), *args[1:])
+    def post(m, args, out):   # rowwise: the partial sums are added (all-reduce, or reduce-scatter over the sequence); colwise: each rank keeps its columns
+        if style == "rowwise": out = out.redistribute(mesh, [Shard(1) if output == "sequence" else Replicate()])
         if output == "gather": out = out.redistribute(mesh, [Replicate()])
-        return out if output == "dtensor" else out.to_local()
+        return out if output in ("dtensor", "sequence") else out.to_local()
     mod.register_forward_pre_hook(pre); mod.register_forward_hook(post)
     return mod
 
 
 # %% ../nbs/10_scaling_out.ipynb #a1c0e011
-def tensor_parallel(model: nn.Module, mesh: DeviceMesh, loss_parallel: bool = True) -> nn.Module:
+def tensor_parallel(model: nn.Module, mesh: DeviceMesh, loss_parallel: bool = True, sequence_parallel: bool = False) -> nn.Module:
     "Split attention (q, k, v by heads; o by rows) and the MLP over the TP `mesh`; lm_head by vocabulary, its logits a DTensor when `loss_parallel`."
     tp = mesh.size()
-    if bad := tp_problems(model, tp): raise ValueError(f"tensor parallel over tp={tp} cannot split this model: " + "; ".join(bad) + ".")
+    if bad := tp_problems(model, tp) + (sp_problems(model) if sequence_parallel else []):
+        raise ValueError(f"tensor parallel over tp={tp} cannot split this model: " + "; ".join(bad) + ".")
+    out = "sequence" if sequence_parallel else "local"
     for b in (m for m in model.modules() if isinstance(m, TransformerBlock)):
         a = b.self_attn
         for n in ("q_proj", "k_proj", "v_proj"): tp_linear(getattr(a, n), mesh, "colwise")
-        tp_linear(a.o_proj, mesh, "rowwise")
+        tp_linear(a.o_proj, mesh, "rowwise", output=out)
         a.n_heads, a.n_kv_heads = a.n_heads // tp, a.n_kv_heads // tp   # the heads this rank computes
-        tp_linear(b.mlp.gate_proj, mesh, "colwise"); tp_linear(b.mlp.up_proj, mesh, "colwise"); tp_linear(b.mlp.down_proj, mesh, "rowwise")
+        tp_linear(b.mlp.gate_proj, mesh, "colwise"); tp_linear(b.mlp.up_proj, mesh, "colwise"); tp_linear(b.mlp.down_proj, mesh, "rowwise", output=out)
     tp_linear(model.lm_head, mesh, "colwise", output="dtensor" if loss_parallel else "gather")
+    if sequence_parallel: split_sequence(model, mesh)
+    return model
+
+def sp_problems(model: nn.Module) -> list[str]:
+    "Why the norms of `model` cannot run split over the sequence (an empty list when they can)."
+    blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
+    norms = [model.norm] + [n for b in blocks for n in (b.input_layernorm, b.post_attention_layernorm)]
+    bad = [] if all(type(b) is TransformerBlock for b in blocks) else ["blocks with more norms than Llama's two (Gemma's sandwich)"]
+    if any(type(n) is not RMSNorm for n in norms): bad.append("norms other than RMSNorm")
+    return bad
+
+def split_sequence(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    "Sequence parallel: between the TP regions the activations are a DTensor split over the sequence (Shard(1)); gathered before attention, the MLP and lm_head."
+    blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
+    for n in [model.norm] + [n for b in blocks for n in (b.input_layernorm, b.post_attention_layernorm)]:
+        w = n.weight   # replicated over tp: its gradient, from 1/tp of the tokens on each rank, is summed over tp (FSDP2 redistributes it)
+        n.register_parameter("weight", nn.Parameter(distribute_tensor(w.detach(), mesh, [Replicate()]), requires_grad=w.requires_grad))
+    gather = lambda m, args: (args[0].redistribute(mesh, [Replicate()]), *args[1:])   # once per region: q, k, v (gate, up) share it
+    for b in blocks: b.self_attn.register_forward_pre_hook(gather); b.mlp.register_forward_pre_hook(gather)
+    def split(m, args, out):   # the embeddings (every TP rank holds them all) -> this rank's tokens; backward gathers their gradients
+        return DTensor.from_local(out, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)])
+    model.embed_tokens.register_forward_hook(split)
     return model
 
 def parallelize(model: nn.Module,            # a Transformer built the same on every rank
                 mesh: DeviceMesh,            # from build_mesh: (dp_replicate, dp_shard) or (dp, tp)
                 loss_parallel: bool = True,  # with tp: lm_head's logits stay split over the vocabulary (compute the loss in loss_parallel())
+                sequence_parallel: bool = False,  # with tp: the norms and residual adds on 1/tp of the tokens each (`split_sequence`)
                 **fsdp,                      # shard_model's options (mp_dtype, reshard_after_forward, ...)
                ) -> nn.Module:
     "HSDP on a (dp_replicate, dp_shard) mesh; tensor parallel over 'tp', then FSDP2 over 'dp', on a (dp, tp) mesh."
     if mesh.mesh_dim_names == ("dp", "tp"):
-        tensor_parallel(model, mesh["tp"], loss_parallel)
+        tensor_parallel(model, mesh["tp"], loss_parallel, sequence_parallel)
         return shard_model(model, mesh=mesh["dp"], **fsdp)
     if mesh.mesh_dim_names != ("dp_replicate", "dp_shard"):
         raise ValueError(f"parallelize needs a mesh named (dp_replicate, dp_shard) or (dp, tp), got {mesh.mesh_dim_names}; use build_mesh.")
     return shard_model(model, mesh=mesh, **fsdp)   # fully_shard on a 2-D mesh: replicate over dim 0, shard over dim 1
+
+
+# %% ../nbs/10_scaling_out.ipynb #a1c0e022
+def grad_norm(params) -> torch.Tensor:
+    "The 2-norm of the gradients of `params`, whatever meshes their DTensors live on: squares summed over the dimensions each is sharded on."
+    sums, device = {}, None   # (mesh, the dimensions its gradient is sharded on) -> this rank's sum of squares
+    for p in params:
+        g = p.grad
+        if g is None: continue
+        key = (None, ())
+        if isinstance(g, DTensor):
+            if any(pl.is_partial() for pl in g.placements):
+                raise RuntimeError(f"a gradient is a partial sum over its mesh ({g.placements}): reduce it before measuring its norm")
+            # split on a dimension: Shard, and FSDP2's _StridedShard over dp of a TP-split weight (whose is_shard() is False)
+            key, g = (g.device_mesh, tuple(d for d, pl in enumerate(g.placements) if not pl.is_replicate())), g.to_local()
+        s = g.detach().float().pow(2).sum()
+        sums[key], device = sums[key] + s if key in sums else s, g.device
+    total = torch.zeros((), device=device)
+    for (mesh, dims), s in sums.items():   # the same keys in the same order on every rank: the parameters' order
+        for d in dims: dist.all_reduce(s, group=mesh.get_group(d))
+        total = total + s
+    return total.sqrt()
+
+@torch.no_grad()
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    "Scale the gradients of `params` so that their norm (`grad_norm`) is at most `max_norm` (inf: measure only); the norm before."
+    params = [p for p in params if p.grad is not None]
+    norm = grad_norm(params)
+    if math.isfinite(max_norm):   # as torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6), at most 1
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in params: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)   # each rank its shard, in place
+    return norm
 

@@ -23,8 +23,8 @@ from ..records import FORMATS, data_problems, read_data
 
 # %% auto #0
 __all__ = ['TUNED', 'SUMMARY_NAMES', 'REAL_MIN_WIDTH', 'recipe_name', 'Part', 'ModelPart', 'SourcePart', 'SFTDataPart',
-           'DataPart', 'AdapterPart', 'BatchPart', 'StepPart', 'OptimPart', 'mesh_problems', 'MemoryPart', 'RunPart',
-           'TrainConfig']
+           'DataPart', 'AdapterPart', 'BatchPart', 'StepPart', 'OptimPart', 'mesh_problems', 'tp_option_problems',
+           'MemoryPart', 'RunPart', 'TrainConfig']
 
 # %% ../../nbs/11_training_loop.ipynb #fba7b1a2
 TUNED = ("lr", "batch_size")   # the options a config may leave None for its recipe to fill (`Part.with_defaults`)
@@ -292,16 +292,27 @@ class OptimPart(BatchPart, StepPart):
 
 # %% ../../nbs/11_training_loop.ipynb #09fb4e8f
 def mesh_problems(mesh: str, world: int) -> list[str]:
-    "Why a run cannot train on `mesh` with `world` processes (tensor parallel runs in your own loop: `tunebook.mesh`)."
+    "Why a run cannot train on `mesh` with `world` processes (`tunebook.mesh`: HSDP, or FSDP x tensor parallel)."
     from tunebook.mesh import parse_mesh
     try: dims = parse_mesh(mesh)
     except ValueError as e: return [str(e)]
-    if "tp" in dims:
-        return [f"mesh={mesh!r}: the Trainer runs HSDP meshes (dp_replicate=R,dp_shard=S); tensor parallel (dp,tp) runs in your own "
-                "loop with tunebook.mesh.parallelize and loss_parallel(), because the Trainer's generation-based eval and gradient "
-                "clipping do not take tensor-parallel DTensors"]
-    n = dims["dp_replicate"] * dims["dp_shard"]
+    n = math.prod(dims.values())
     return [] if n == world else [f"mesh={mesh!r} has {n} ranks but the run starts {world} process(es) (nnodes x nproc): make them equal"]
+
+def tp_option_problems(c) -> list[str]:
+    "The options a `dp=D,tp=T` mesh (T > 1) cannot honour, each with why and the fix."
+    o, bad = c.opt, []
+    if c.chunked_ce: bad.append(f"{o('chunked_ce')} with tp: lm_head is already split over the vocabulary and the loss computed on the "
+                                "shards (loss parallel), while the chunked loss slices the whole lm_head weight, which no rank holds; leave --chunked-ce out")
+    if c.compile: bad.append(f"{o('compile')} with tp: the blocks would be compiled before the tensor-parallel split and trace plain "
+                             "tensors; leave --compile out")
+    if getattr(c, "method", None) == "dora": bad.append(f"{o('method')} with tp: DoRA's magnitude needs the norm of whole weight rows, "
+                                                        "which the split cuts; use --method lora")
+    if str(getattr(c, "dtype", "")) == "fp16-mixed": bad.append(f"{o('dtype')} with tp: the loss scaler checks each rank's shards for "
+                                                                "overflow alone, so ranks could skip different steps; use bf16-mixed")
+    if c.optimizer_in_backward: bad.append(f"{o('optimizer_in_backward')} with tp: its per-parameter steps inside backward are not "
+                                           "tested on DTensor gradients split over tp; leave it out")
+    return bad
 
 @dataclass
 class MemoryPart(Part):
@@ -315,7 +326,7 @@ class MemoryPart(Part):
     nnodes: int = 1                      # machines, joined by torchrun's c10d rendezvous at rdzv_endpoint (nproc processes on each)
     rdzv_endpoint: str | None = None     # HOST:PORT of the rendezvous (the first node), the same on every node; needed with nnodes > 1
     rdzv_id: str = "tunebook"            # the job's name at the rendezvous, the same on every node
-    mesh: str | None = None              # HSDP over 2 dimensions of ranks: "dp_replicate=R,dp_shard=S" (replicas across nodes, shards inside one; R x S = all processes); None: FSDP2 over all
+    mesh: str | None = None              # 2 dimensions of ranks: "dp_replicate=R,dp_shard=S" (HSDP: replicas across nodes, shards inside one) or "dp=D,tp=T" (FSDP x tensor parallel, the loss on vocabulary shards); the sizes multiply to all processes; None: FSDP2 over all
     compile: bool = False                # torch.compile each transformer block and the chunked loss (regional; the first steps pay the compilation)
 
     def problems(self) -> list[str]:
@@ -325,7 +336,13 @@ class MemoryPart(Part):
             bad += in_backward_problems(getattr(self, "grad_accum_steps", 1), getattr(self, "max_grad_norm", None))
         if self.nproc < 1: bad.append(f"{o('nproc')} must be >= 1")
         if self.nnodes < 1: bad.append(f"{o('nnodes')} must be >= 1")
-        if self.mesh is not None: bad += mesh_problems(self.mesh, self.nproc * max(self.nnodes, 1))
+        tp = 1
+        if self.mesh is not None:
+            bad += mesh_problems(self.mesh, self.nproc * max(self.nnodes, 1))
+            from tunebook.mesh import tp_degree
+            try: tp = tp_degree(self.mesh)
+            except ValueError: pass   # said by mesh_problems
+            if tp > 1: bad += tp_option_problems(self)
         for k in ("rdzv_endpoint", "rdzv_id"):   # read by the launcher alone: on one machine they would do nothing
             if self.nnodes == 1 and getattr(self, k) != MemoryPart.__dataclass_fields__[k].default:
                 bad.append(f"{o(k)} joins several machines through a rendezvous: set --nnodes too (one machine needs no rendezvous)")
@@ -334,7 +351,10 @@ class MemoryPart(Part):
         host, _, port = str(self.rdzv_endpoint or "h:1").rpartition(":")
         if not host or not port.isdigit(): bad.append(f"{o('rdzv_endpoint')} is not HOST:PORT (e.g. node001:29500)")
         bs, n = getattr(self, "batch_size", None), self.nproc * max(self.nnodes, 1)
-        if n > 1 and bs is not None and bs % n:
+        if n > 1 and bs is not None and tp > 1 and n % tp == 0 and bs % (n // tp):
+            bad.append(f"batch_size={bs} must be a multiple of the mesh's dp={n // tp} data-parallel ranks (each takes an equal share; "
+                       "the tp ranks of one group read the same rows)")
+        elif n > 1 and bs is not None and tp == 1 and bs % n:
             what = f"nproc={self.nproc}" if self.nnodes == 1 else f"nnodes x nproc={n}"
             bad.append(f"batch_size={bs} must be a multiple of {what} (each process takes an equal share)")
         if self.nproc > 1 and getattr(self, "method", None) == "qlora": bad.append("qlora is not supported with nproc > 1 (NF4 weights do not shard)")

@@ -50,7 +50,8 @@ def lm_loss_sum(model, batch: dict, loss_fn=None) -> torch.Tensor:
     if loss_fn is not None:
         return loss_fn(model(batch["tokens"], return_hidden=True, **kw), projection_weight(model), batch["labels"])   # refuses an adapted head
     logits = model(batch["tokens"], **kw)
-    return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss.to_local() if hasattr(loss, "to_local") else loss   # split logits (tensor parallel, in loss_parallel()): replicated
 
 @torch.no_grad()
 def held_out_loss(model, rows, batch_size: int = 32, loss_fn=None) -> float:

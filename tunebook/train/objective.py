@@ -43,6 +43,8 @@ class Objective:
     adds_router_loss: bool = False  # the loss is one forward of the policy per micro-batch: a mixture-of-experts model's load-balancing loss is added
 
     chunked_ce: str | None = None # what the option `chunked_ce` (vocabulary slices) does for this objective; None: refused
+    tensor_parallel: str | None = None  # what a dp x tp mesh computes for this objective, declared by each class itself (a subclass's
+                                        # loss may differ); None: refused
 
     def load_model(self, tr) -> tuple:
         "(model, tokenizer) when the trainer was given none: by default what the config names."
@@ -70,7 +72,7 @@ class Objective:
         if tr.epoch_order is None or tr.epoch_order[0] != epoch:
             tr.epoch_order = (epoch, torch.randperm(len(tr.rows), generator=torch.Generator().manual_seed(tr.config.seed + epoch)))
         bs = tr.config.batch_size
-        return [tr.rows[j] for j in tr.epoch_order[1][i * bs:(i + 1) * bs].tolist()[tr.rank::tr.world]]
+        return [tr.rows[j] for j in tr.epoch_order[1][i * bs:(i + 1) * bs].tolist()[tr.dp_rank::tr.dp_world]]   # a TP group: the same rows
 
     def batch(self, tr, g: int) -> dict:
         "The g-th micro-batch of the run, on the model's device."
@@ -107,6 +109,10 @@ class Objective:
         "Options this objective refuses beyond the config's own checks, each with its fix."
         if config.chunked_ce and self.chunked_ce is None:
             return [f"{config.opt('chunked_ce')}: {type(self).__name__} computes no loss by vocabulary slices; leave it out"]
+        from tunebook.mesh import tp_degree
+        if tp_degree(getattr(config, "mesh", None)) > 1 and not type(self).__dict__.get("tensor_parallel"):
+            return [f"{config.opt('mesh')}: {type(self).__name__} does not say what it computes on logits split over the vocabulary "
+                    "(Objective.tensor_parallel; finetune and dpo do); use a dp_replicate=R,dp_shard=S mesh or leave --mesh out"]
         return []
 
     def __repr__(self): return f"{type(self).__name__}()"
@@ -156,6 +162,7 @@ class SFT(Objective):
     def pure_batches(self) -> bool: return type(self).batch is SFT.batch   # a subclass with batches of its own says so itself
 
     chunked_ce = "the output projection and the cross-entropy by vocabulary slices (`ChunkedCrossEntropy`), in training and for the held-out loss"
+    tensor_parallel = "the cross-entropy on the vocabulary shards of lm_head (loss_parallel), in training and for the held-out loss"
 
     def prepare_data(self, tr) -> RunData:
         c, train, evals, check, held = tr.config, tr.train_data, tr.eval_data, tr.check, tr.held_out   # what the caller gave

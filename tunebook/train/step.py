@@ -78,6 +78,13 @@ def _memory_tracker(self: Trainer):
     return MemoryTracker(self.model.embed_tokens.weight.device).watch(self.model, *opts)
 
 @patch
+def tp_context(self: Trainer):
+    "What a step's forward and backward, and eval, run under: on a mesh with tensor parallel `loss_parallel()`, so that the loss is computed on lm_head's vocabulary shards."
+    if self.mesh is None or "tp" not in (self.mesh.mesh_dim_names or ()): return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+    return loss_parallel()
+
+@patch
 def forward_context(self: Trainer):
     "What every forward and loss of a step runs under: activation offloading when it is on, and the precision's autocast."
     stack = contextlib.ExitStack()
@@ -158,7 +165,7 @@ def train_step(self: Trainer) -> dict:
     counts = [(b["labels"] != IGNORE_INDEX).sum() for b in batches if "labels" in b]
     reals = [b["attn_mask"].sum() if "attn_mask" in b else (b["doc_ids"] >= 0).sum() if "doc_ids" in b   # not padding
              else b["tokens"].numel() for b in batches if "tokens" in b]
-    with tracker if tracker is not None else contextlib.nullcontext():
+    with tracker if tracker is not None else contextlib.nullcontext(), self.tp_context():
         step_micro_batches(batches, loss_of, max(n_local, 1), None if tracker is None else (lambda p: setattr(tracker, "phase", p)),
                            self.forward_context, backward)
         norm = None
@@ -187,9 +194,9 @@ def train_step(self: Trainer) -> dict:
     seconds = time.perf_counter() - t0
     row = dict(step=self.step, **({"epoch": round(min(self.step * c.grad_accum_steps, self.micro_limit or math.inf) / self.n_batches, 3)}
                                   if self.n_batches else {}),
-               loss=loss, lr=lr, grad_norm=grad_norm, tokens=sum(int(n) for n in host_counts) * self.world,
-               seq_tokens=sum(int(b["tokens"].numel()) for b in batches if "tokens" in b) * self.world,
-               **({"real_tokens": sum(int(n) for n in host_reals) * self.world} if host_reals else {}), seconds=seconds,
+               loss=loss, lr=lr, grad_norm=grad_norm, tokens=sum(int(n) for n in host_counts) * self.dp_world,
+               seq_tokens=sum(int(b["tokens"].numel()) for b in batches if "tokens" in b) * self.dp_world,
+               **({"real_tokens": sum(int(n) for n in host_reals) * self.dp_world} if host_reals else {}), seconds=seconds,
                **_mean_stats(_reduce_stats(acc, dict(zip(keys, host_stats))), self.world))
     if tracker is not None:
         row.update(peak_bytes=tracker.peak, peak_phase=tracker.peak_phase,
@@ -203,6 +210,9 @@ def train_step(self: Trainer) -> dict:
 def clip_grads(self: Trainer) -> torch.Tensor:
     "Clip to max_grad_norm (when on) and return the gradient norm as a tensor on the device (no host sync)."
     params = [p for p in self.model.parameters() if p.requires_grad]
+    if self.mesh is not None and "tp" in (self.mesh.mesh_dim_names or ()):   # gradients on (dp, tp) and on dp alone: tunebook.mesh
+        from tunebook.mesh import clip_grad_norm
+        return clip_grad_norm(params, self.config.max_grad_norm or math.inf)
     norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm or math.inf)  # inf: measure, do not clip
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 

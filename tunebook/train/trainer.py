@@ -93,12 +93,15 @@ class Trainer:
         self.lock = RunLock(self.out)
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.is_main = self.rank == 0
+        self.mesh = None   # a 2-D mesh (`config.mesh`), built by setup
+        self.dp_rank, self.dp_world = self.rank, self.world   # which rows this rank reads: the ranks of one TP group read the same
 
     def setup(self) -> "Trainer":
         "Load model, tokenizer and data, apply the method and memory techniques, build the optimizer."
         c, obj = self.config, self.objective
         seed_everything(c.seed)
         if self.model is None: self.model, tok = obj.load_model(self); self.tokenizer = self.tokenizer or tok
+        self._check_tensor_parallel()   # before the data is read: a model the split cannot cut is said at once
         width = model_width(c, self.model)   # a hub name's width is known only now
         # once, on the model that trains; fp32 master weights for the mixed modes
         self.precision = resolve_precision(c.dtype, get_device(c.device), width)
@@ -127,13 +130,24 @@ class Trainer:
             from tunebook.compile import compile_model
             compile_model(self.model, self.loss_fn)
         obj.prepare_model(self)
-        if self.world > 1 and c.mesh:   # HSDP: replicas over dim 0, shards over dim 1 (tunebook.mesh)
-            from tunebook.mesh import build_mesh, parallelize
-            parallelize(self.model, build_mesh(c.mesh))
+        if self.world > 1 and c.mesh:   # HSDP: replicas over dim 0, shards over dim 1; or tensor parallel, then FSDP over dp
+            from tunebook.mesh import build_mesh, data_rank, parallelize
+            self.mesh = build_mesh(c.mesh)
+            # with tp: lm_head's logits stay split over the vocabulary (`tp_context`), the norms run on 1/tp of the tokens each
+            parallelize(self.model, self.mesh, sequence_parallel=True)
+            self.dp_rank, self.dp_world = data_rank(self.mesh)
         elif self.world > 1:
             from tunebook.distributed import shard_model
             shard_model(self.model)
         return self._finish_setup()
+
+    def _check_tensor_parallel(self):
+        "Refuse, naming why, a model that a `dp=D,tp=T` mesh cannot split (tied embeddings, fused projections, heads that do not divide...)."
+        from tunebook.mesh import tp_degree, tp_problems
+        tp = tp_degree(getattr(self.config, "mesh", None))
+        if tp > 1 and (bad := tp_problems(self.model, tp)):
+            raise ValueError(f"{self.config.opt('mesh')}: tensor parallel over tp={tp} cannot split this model: " + "; ".join(bad)
+                             + "; use a dp_replicate=R,dp_shard=S mesh (or leave --mesh out) for it")
 
     def _check_context(self):
         "Refuse a max_seq_len beyond the positions the model was trained for."
@@ -195,7 +209,7 @@ class Trainer:
     def evaluate(self) -> dict:
         "The objective's held-out metrics now (SFT: exact match of greedy answers and held-out loss); callbacks hear them."
         if not self.is_setup: self.setup()
-        with self.precision.autocast(): metrics = self.objective.evaluate(self)   # the numerics training uses
+        with self.precision.autocast(), self.tp_context(): metrics = self.objective.evaluate(self)   # the numerics training uses
         for cb in self.callbacks: call_hook(cb, "on_eval", self, dict(metrics))   # trackers log every held-out measure
         return metrics
 
