@@ -64,8 +64,9 @@ def tp_problems(model: nn.Module, tp: int) -> list[str]:
     cfg, bad = model.config, []
     blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
     if getattr(cfg, "n_experts", 0): bad.append("a mixture of experts: its experts would need expert parallelism, not the per-projection plan")
-    if any(type(b.self_attn) is not Attention and not isinstance(b.self_attn, FusedQKVAttention) for b in blocks):
-        bad.append("Gated DeltaNet layers: their recurrent state mixes heads through a convolution the plan does not split")
+    other = {type(b.self_attn).__name__ for b in blocks if type(b.self_attn) is not Attention and not isinstance(b.self_attn, FusedQKVAttention)}
+    if "GatedDeltaNet" in other: bad.append("Gated DeltaNet layers: their recurrent state mixes heads through a convolution the plan does not split")
+    if other - {"GatedDeltaNet"}: bad.append(f"{', '.join(sorted(other - {'GatedDeltaNet'}))} layers (sinks, shared keys and values...): the plan splits plain attention only")
     if any(isinstance(b.self_attn, FusedQKVAttention) or not isinstance(b.mlp, FeedForward) for b in blocks):
         bad.append("fused projections (qkv_proj, gate_up_proj as in Phi-3): a column split would cut across q, k and v")
     if any(getattr(b.self_attn, "q_norm", None) is not None for b in blocks):
