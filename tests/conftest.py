@@ -1,6 +1,7 @@
 """Shared fixtures: small random-weight Hugging Face models written by transformers to a temp folder."""
 import importlib
 import os
+import shutil
 import threading
 import time
 import warnings
@@ -152,3 +153,24 @@ def _vllm_in_process(path, **kw):
 def vllm_in_process():
     """vllm_in_process(path, **VLLMGenerator options) -> an engine in this process; the caller closes it."""
     return _vllm_in_process
+
+
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """A folder `build(folder)` fills once per test session, shared by every pytest-xdist worker (under a file lock), so an
+    expensive module fixture (a fine-tune, an export) is not made again by each worker that draws one of its tests."""
+    from filelock import FileLock
+    if not os.environ.get("PYTEST_XDIST_WORKER"): return _fill(tmp_path_factory.mktemp(name), build)
+    root = tmp_path_factory.getbasetemp().parent   # this session's folder, above every worker's own
+    folder = root / f"shared-{name}"
+    with FileLock(str(root / f"shared-{name}.lock")):
+        if not (folder / ".built").exists():
+            shutil.rmtree(folder, ignore_errors=True)   # a build that failed in another worker: start over
+            _fill(folder, build)
+    return folder
+
+
+def _fill(folder: Path, build) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    build(folder)
+    (folder / ".built").write_text("ok")
+    return folder

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HANG
+from conftest import HANG, built_once
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = os.environ.get("TUNEBOOK_BENCH_PY", sys.executable)
@@ -27,23 +27,26 @@ def _peers_missing():
 
 @pytest.fixture(scope="module")
 def bench_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("bench")
-
-
-@pytest.fixture(scope="module")
-def smoke(bench_dir):
+    "One `device.sh --smoke` run per session, whichever xdist workers draw these tests (conftest.built_once): its files and output."
     missing = _peers_missing()
     if missing:
         pytest.skip(f"bench peers not importable in {PY} ({missing}); install them with "
                     "`pip install -e '.[bench,dev]'` in a separate venv and set TUNEBOOK_BENCH_PY to its python")
-    js = bench_dir / "device.json"
-    env = dict(os.environ, TUNEBOOK_BENCH_PY=PY, OMP_NUM_THREADS="1")
-    p = subprocess.run(["bash", "bench/device.sh", "--smoke", "--json", str(js)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=HANG)   # a hang guard: a loaded machine is slow, not broken
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    line = [l for l in p.stdout.splitlines() if l.startswith("BENCH_JSON ")]
-    assert len(line) == 1, p.stdout[-3000:]
-    return json.loads(line[0].removeprefix("BENCH_JSON ")), json.loads(js.read_text()), p.stdout
+    def build(d):
+        env = dict(os.environ, TUNEBOOK_BENCH_PY=PY, OMP_NUM_THREADS="1")
+        p = subprocess.run(["bash", "bench/device.sh", "--smoke", "--json", str(d / "device.json")], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=HANG)   # a hang guard: a loaded machine is slow, not broken
+        (d / "run.json").write_text(json.dumps(dict(rc=p.returncode, stdout=p.stdout, stderr=p.stderr)))
+    return built_once(tmp_path_factory, "bench-smoke", build)
+
+
+@pytest.fixture(scope="module")
+def smoke(bench_dir):
+    p = json.loads((bench_dir / "run.json").read_text())
+    assert p["rc"] == 0, p["stdout"][-3000:] + p["stderr"][-3000:]
+    line = [l for l in p["stdout"].splitlines() if l.startswith("BENCH_JSON ")]
+    assert len(line) == 1, p["stdout"][-3000:]
+    return json.loads(line[0].removeprefix("BENCH_JSON ")), json.loads((bench_dir / "device.json").read_text()), p["stdout"]
 
 
 def test_smoke_json_has_every_row(smoke):

@@ -19,6 +19,7 @@ from tunebook.llamacpp import llama_cpp_dir  # noqa: E402
 if llama_cpp_dir() is None:
     pytest.skip("llama.cpp is not built here: `make llama-cpp` (tools/llama_cpp.py)", allow_module_level=True)
 
+from conftest import built_once  # noqa: E402
 from realckpt import gemma3_dir, smollm2_dir, user_records  # noqa: E402
 from tunebook.checkpoint import load_hf  # noqa: E402
 from tunebook.data import encode_prompt  # noqa: E402
@@ -55,22 +56,24 @@ def _export(run, tmp):
     return out
 
 
+# each run and its export is made once per session, whichever xdist workers draw its tests (conftest.built_once)
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("smol")
-    run = _finetune(smollm2_dir(), tmp, 12)
-    return run, _export(run, tmp)
+    def build(tmp): _export(_finetune(smollm2_dir(), tmp, 12), tmp)
+    tmp = built_once(tmp_path_factory, "gguf-smol", build)
+    return tmp / "run", tmp / "gguf"
 
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("gemma")
-    base = tmp / "gemma3-270m"
-    base.mkdir()
-    for f in gemma3_dir().iterdir(): (base / f.name).symlink_to(f)
-    (base / "chat_template.jinja").write_text(GEMMA_TEMPLATE)
-    run = _finetune(base, tmp, 30)   # 10 steps left half-learned answers whose q8_0 greedy text differed on 3 of 10 prompts
-    return run, _export(run, tmp)
+    def build(tmp):
+        base = tmp / "gemma3-270m"
+        base.mkdir()
+        for f in gemma3_dir().iterdir(): (base / f.name).symlink_to(f)
+        (base / "chat_template.jinja").write_text(GEMMA_TEMPLATE)
+        _export(_finetune(base, tmp, 30), tmp)   # 10 steps left half-learned answers whose q8_0 greedy text differed on 3 of 10 prompts
+    tmp = built_once(tmp_path_factory, "gguf-gemma", build)
+    return tmp / "run", tmp / "gguf"
 
 
 def _prompts(run):
