@@ -15,7 +15,15 @@ tunebook and the peer (order swapped each round); the speed ratio is the median 
 the median. Peak memory: tunebook.memory.MemoryTracker's live tensor bytes over one more step of each, weights and
 optimizer state included (as bench_device.peak_cpu / bench_finetune). Prints the CPU model and the load average.
 
-    python bench/bench_moe.py                 # the default shape
+A gpt-oss-shaped row (`--arch gpt_oss`): the same step on transformers' `GptOssForCausalLM` (attention sinks, a
+biased router with softmax over the top-k logits, biased experts with the clamped SwiGLU, sliding and full attention
+alternating) against tunebook's gpt-oss built from the same checkpoint; gpt-oss-20b's proportions scaled down (default:
+dim 512, 32 experts top-4, moe_hidden 512 = dim, 8 heads / 1 KV head of 64, window 128, 2 layers). Sinks and biases
+are drawn non-zero (std 0.1) so that every quirk is on the path; the experts' gate_up_proj is scaled up so that the clamp
+(limit 7) is reached.
+
+    python bench/bench_moe.py                 # the default shape (Qwen3-30B-A3B-like)
+    python bench/bench_moe.py --arch gpt_oss  # the gpt-oss-20b-like row
     python bench/bench_moe.py --experts 8 --dim 128 --moe-hidden 64 --rounds 2   # a quick smoke
 """
 import argparse
@@ -41,17 +49,37 @@ def cpu_model() -> str:
     return "unknown CPU"
 
 
+def hf_class(a):
+    import transformers
+    return transformers.GptOssForCausalLM if a.arch == "gpt_oss" else transformers.Qwen3MoeForCausalLM
+
+
+def hf_config(a):
+    "transformers' config of the benchmarked shape (`a.arch`)."
+    import transformers
+    common = dict(vocab_size=a.vocab, hidden_size=a.dim, num_hidden_layers=a.layers, num_attention_heads=a.heads,
+                  num_key_value_heads=a.kv_heads, head_dim=a.dim // a.heads, num_experts_per_tok=a.topk, pad_token_id=0,
+                  max_position_embeddings=max(512, a.seq))
+    if a.arch == "gpt_oss":   # gpt-oss-20b's own rope (yarn), window, clamp and router: only the sizes are scaled down
+        return transformers.GptOssConfig(**common, intermediate_size=a.moe_hidden, num_local_experts=a.experts, sliding_window=a.window,
+                                         rope_parameters=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                                              original_max_position_embeddings=4096, rope_theta=150000.0))
+    return transformers.Qwen3MoeConfig(**common, intermediate_size=4 * a.dim, num_experts=a.experts, moe_intermediate_size=a.moe_hidden,
+                                       norm_topk_prob=True)
+
+
 def build(a, d):
     "(transformers model, tunebook model with LoRA, the adapter folder): same weights, same adapter."
     import transformers
     from tunebook.checkpoint import load_hf
     from tunebook.lora import apply_lora, save_adapter
     torch.manual_seed(0)
-    cfg = transformers.Qwen3MoeConfig(vocab_size=a.vocab, hidden_size=a.dim, intermediate_size=4 * a.dim, num_hidden_layers=a.layers,
-                                      num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, head_dim=a.dim // a.heads,
-                                      num_experts=a.experts, num_experts_per_tok=a.topk, moe_intermediate_size=a.moe_hidden,
-                                      norm_topk_prob=True, pad_token_id=0, max_position_embeddings=max(512, a.seq))
-    hf = transformers.Qwen3MoeForCausalLM(cfg)
+    hf = hf_class(a)(hf_config(a))
+    if a.arch == "gpt_oss":   # sinks, attention and router biases, expert biases non-zero; the SwiGLU clamp reached
+        with torch.no_grad():
+            for n, p in hf.named_parameters():
+                if n.endswith(("bias", "sinks")): p.normal_(0, 0.1)
+                if n.endswith("experts.gate_up_proj"): p.mul_(8.0)
     hf.save_pretrained(d / "base")
     ours = apply_lora(load_hf(d / "base"), rank=a.rank, alpha=2 * a.rank, targets=("q_proj", "k_proj", "v_proj", "o_proj", "experts"))
     save_adapter(ours, d / "adapter", base_model_name_or_path=str(d / "base"))
@@ -85,17 +113,27 @@ def peak_bytes(run, tokens) -> int:
     return int(tr.peak)
 
 
+SHAPES = {   # --arch -> its default shape: a real model's proportions scaled down for a 2-core CPU
+    "qwen3_moe": dict(dim=512, experts=64, topk=8, moe_hidden=128, layers=2, heads=8, kv_heads=4, window=0, vocab=2048, batch=2, seq=256,
+                      rank=16, rounds=5, threads=1),
+    "gpt_oss": dict(dim=512, experts=32, topk=4, moe_hidden=512, layers=2, heads=8, kv_heads=1, window=128, vocab=2048, batch=2, seq=256,
+                    rank=16, rounds=5, threads=1)}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for k, v in dict(dim=512, experts=64, topk=8, moe_hidden=128, layers=2, heads=8, kv_heads=4, vocab=2048, batch=2, seq=256,
-                     rank=16, rounds=5, threads=1).items():
-        p.add_argument("--" + k.replace("_", "-"), type=int, default=v)
+    p.add_argument("--arch", choices=sorted(SHAPES), default="qwen3_moe", help="the family whose layer shape is benchmarked")
+    for k in SHAPES["qwen3_moe"]:
+        p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help="default: the --arch shape's")
     a = p.parse_args(argv)
+    for k, v in SHAPES[a.arch].items():
+        if getattr(a, k) is None: setattr(a, k, v)
     torch.set_num_threads(a.threads)
     warnings.filterwarnings("ignore")
     import peft, transformers
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, torch threads {a.threads}; load average at start {os.getloadavg()}")
-    print(f"shape: dim {a.dim}, {a.experts} experts top-{a.topk}, moe_hidden {a.moe_hidden}, {a.layers} layers, batch {a.batch} x {a.seq}, "
+    print(f"shape ({a.arch}): dim {a.dim}, {a.experts} experts top-{a.topk}, moe_hidden {a.moe_hidden}, {a.layers} layers, "
+          f"{a.heads} heads / {a.kv_heads} KV{f', window {a.window}, sinks' if a.arch == 'gpt_oss' else ''}, batch {a.batch} x {a.seq}, "
           f"fp32, LoRA r{a.rank} on q/k/v/o + experts; transformers {transformers.__version__}, peft {peft.__version__}")
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(1, a.vocab, (a.batch, a.seq + 1), generator=g) for _ in range(a.rounds + 2)]
@@ -105,7 +143,7 @@ def main(argv=None):
         peers = []
         for impl in ("eager", "grouped_mm", "batched_mm"):
             try:
-                hf = transformers.Qwen3MoeForCausalLM.from_pretrained(base, experts_implementation=impl)
+                hf = hf_class(a).from_pretrained(base, experts_implementation=impl)
             except Exception as e:   # an implementation this torch or CPU lacks
                 print(f"  transformers experts_implementation={impl}: unavailable ({type(e).__name__}: {str(e)[:80]})"); continue
             pm = peft.PeftModel.from_pretrained(hf, adapter, is_trainable=True)

@@ -58,6 +58,42 @@ def test_every_recipe_resolves_validates_and_names_a_model():
         assert sum(m in {mm for f, mm in have if f.startswith(fam)} for fam in FAMILIES) >= (3 if m == "kto" else 4), m
 
 
+MOE = {"qwen3-30b-a3b": {"lora", "qlora"}, "gpt-oss-20b": {"lora"}, "mixtral-8x7b": {"lora", "qlora"},
+       "olmoe-1b-7b": {"lora", "qlora", "full"}}   # gpt-oss: no qlora (quantize_base refuses its experts); full only where it fits
+GPU_GIB = 80   # what "fits one GPU" means for the recipes: an 80 GB card
+
+
+def test_moe_recipes_adapt_every_expert_and_fit_one_80gb_gpu_per_process():
+    """The mixture-of-experts recipes: LoRA and QLoRA for each MoE builder, full where it fits; adapters on attention and on every
+    expert (per-expert LoRA inside the grouped product, peft's target_parameters format); what the recipe names applies to a
+    shrunk model of the same family (targets resolve, experts adapted, NF4 experts for QLoRA); and the rough formula's peak
+    for the recipe's shape stays under 80 GiB per process (the comment states tunebook estimate's number)."""
+    from tunebook.lora import apply_lora, expert_lora_modules
+    from tunebook.memory.formulas import rough_estimate
+    from tunebook.model import build_model, get_config
+    have = {r["name"] for r in list_recipes()}
+    for fam, methods in MOE.items():
+        assert {m for m in METHODS if f"{fam}-{m}" in have} == methods, fam
+        for m in methods:
+            name = f"{fam}-{m}"
+            cfg = load_recipe(name)
+            text = recipe_path(name).read_text()
+            assert "tunebook estimate" in text and "GiB" in text, f"{name}: state the estimated peak in the comment"
+            if m != "full":
+                assert "experts" in cfg.lora_targets and {"q_proj", "k_proj", "v_proj", "o_proj"} <= set(cfg.lora_targets), name
+                small = build_model(get_config(fam, vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                                               hidden_dim=32, moe_hidden_dim=32, n_experts=4, experts_per_token=2))
+                apply_lora(small, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_targets, quantize_base=m == "qlora")
+                ex = expert_lora_modules(small)
+                assert len(ex) == 2 and all(set(e.adapters) == {"gate_up_proj", "down_proj"} for e in ex.values()), name
+                assert all(e.quantized for e in ex.values()) == (m == "qlora"), name
+            per_rank = cfg.batch_size // cfg.nproc
+            r = rough_estimate(get_config(fam), method=m, batch_size=per_rank, seq_len=cfg.max_seq_len, dtype=cfg.dtype,
+                               lora_rank=cfg.lora_rank, chunked_ce=cfg.chunked_ce, activation_checkpointing=cfg.activation_checkpointing,
+                               nproc=cfg.nproc, lora_experts=m != "full")
+            assert r.peak_bytes < GPU_GIB * 2**30, (name, r.peak_bytes / 2**30)
+
+
 def test_config_list_show_cp(tmp_path):
     out = ok("config", "list").stdout
     for r in list_recipes():

@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..checkpoint import hf_key, hf_tensors
+from ..checkpoint import family_key, fused_experts, hf_key, hf_tensors
 from ..core import check_dir, get_dtype, patch
 
 # %% auto #0
-__all__ = ['VLLM_INSTALL', 'require_vllm', 'policy_tensors', 'TunebookWorkerExtension', 'VLLMGenerator']
+__all__ = ['VLLM_INSTALL', 'UNVERIFIED_SYNC', 'require_vllm', 'policy_tensors', 'TunebookWorkerExtension', 'VLLMGenerator']
 
 # %% ../../nbs/15_grpo.ipynb #23621370
 VLLM_INSTALL = ("vLLM is not installed in this Python ({exe}). On CPU run `make vllm-env` and use .venv-vllm/bin/python "
@@ -36,12 +36,22 @@ def require_vllm():
     return vllm
 
 # %% ../../nbs/15_grpo.ipynb #f517fe97
+def _expert_weights(m) -> dict[str, torch.Tensor]:
+    "A frozen-experts module's stacked weights as the policy has them: adapters folded in (unless disabled), NF4 dequantized."
+    from tunebook.lora import LoRAGptOssExperts
+    if isinstance(m, LoRAGptOssExperts):   # gate_up_proj, down_proj and their biases
+        W = dict(m.__dict__["_unmerged"] if m.merged else {k: getattr(m, k) for k in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")})
+        return W if m.disabled else {**W, **m.merged_weights()}
+    return m.base_weights() if m.disabled or not m.adapters else m.merged_weights()   # gate_proj, up_proj, down_proj
+
 @torch.no_grad()
 def policy_tensors(model, dtype=None) -> dict[str, torch.Tensor]:
-    "Hugging Face-keyed tensors of `model` with its LoRA/DoRA adapters merged in; the model is left as it is."
-    from tunebook.lora import lora_modules
+    "Hugging Face-keyed tensors of `model` with its LoRA/DoRA adapters (on linears and on MoE experts) merged in and NF4 weights dequantized, named as its family's checkpoints; the model is left as it is."
+    from tunebook.lora import FrozenLinear, LoRAExperts, LoRAGptOssExperts, lora_modules
     mods, dt = lora_modules(model), get_dtype(dtype) if dtype is not None else None
-    tied = bool(getattr(model.config, "tie_embeddings", False))
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, (LoRAExperts, LoRAGptOssExperts))}
+    cfg = model.config
+    tied, fused, arch = bool(getattr(cfg, "tie_embeddings", False)), fused_experts(cfg), getattr(cfg, "arch", None)
     if tied and "lm_head" in mods:
         raise ValueError("the policy has a LoRA adapter on a tied lm_head: merged, it would no longer equal embed_tokens, "
                          "which vLLM ties to it. Leave lm_head out of the LoRA targets.")
@@ -49,11 +59,17 @@ def policy_tensors(model, dtype=None) -> dict[str, torch.Tensor]:
     for n, p in model.named_parameters(remove_duplicate=False):
         owner = n.rpartition(".")[0]
         if (tied and n == "lm_head.weight") or owner in mods or owner.rpartition(".")[0] in mods: continue
-        out.update(hf_tensors(n, p))   # stacked MoE experts: one tensor per expert, as the checkpoint names them
+        if owner in experts or owner.rpartition(".")[0] in experts: continue   # below, merged
+        out.update(hf_tensors(n, p, fused))   # stacked MoE experts: one tensor per expert (gpt-oss: stacked), as its checkpoints
     for name, m in mods.items():
         out[hf_key(name + ".weight")] = m.base_weight() if m.disabled else (m.weight if m.merged else m.merged_weight())
         if m.bias is not None: out[hf_key(name + ".bias")] = m.bias
-    return {k: (v.to(dt) if dt is not None else v).detach().to("cpu").contiguous() for k, v in out.items()}
+    for name, m in model.named_modules():   # frozen linears held in NF4 (QLoRA) without an adapter: dequantized
+        if isinstance(m, FrozenLinear) and m.quantized and name not in mods: out[hf_key(name + ".weight")] = m.base_weight()
+    for name, m in experts.items():
+        for k, w in _expert_weights(m).items(): out.update(hf_tensors(f"{name}.{k}", w, fused))
+    return {family_key(k, arch): (v.to(dt) if dt is not None else v).detach().to("cpu").contiguous() for k, v in out.items()}
+
 
 # %% ../../nbs/15_grpo.ipynb #f518d0d2
 class _ExpectedReloadWarnings:
@@ -178,12 +194,23 @@ def sample(self: VLLMGenerator, prompt_token_ids, n: int = 1, max_tokens: int = 
     return tokens, logprobs
 
 # %% ../../nbs/15_grpo.ipynb #00348ca8
-def _write_weights(source, folder: Path, dtype) -> Path:
+# families whose weight sync into vLLM no test has checked against vLLM's own loader: refused, not silently mis-loaded
+UNVERIFIED_SYNC = {"gpt_oss": "gpt-oss (experts stacked as fused gate_up_proj / down_proj with biases)",
+                   "mixtral": "Mixtral (block_sparse_moe, experts' w1 / w2 / w3)"}
+
+def _model_type(model_dir) -> str | None:
+    try: return json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError): return None
+
+def _write_weights(source, folder: Path, dtype, arch: str | None = None) -> Path:
     "Put `source` (a tunebook model, a state dict, or a Hugging Face folder) where vLLM can reload it; the folder."
     if isinstance(source, (str, Path)): return check_dir(source, "weights folder")
-    if isinstance(source, dict):
-        tensors = {(k if k.startswith(("model.", "lm_head.")) else hf_key(k)): v.detach().to("cpu", get_dtype(dtype, v.dtype)).contiguous()
-                   for k, v in source.items()}
+    if isinstance(source, dict):   # keys in Hugging Face spelling are kept; ours are mapped as policy_tensors maps them
+        tensors = {}
+        for k, v in source.items():
+            v = v.detach().to("cpu", get_dtype(dtype, v.dtype)).contiguous()
+            if k.startswith(("model.", "lm_head.")): tensors[k] = v
+            else: tensors.update({family_key(kk, arch): t.contiguous() for kk, t in hf_tensors(k, v, arch == "gpt_oss").items()})
     elif isinstance(source, torch.nn.Module): tensors = policy_tensors(source, dtype)
     else: raise TypeError(f"update_weights takes a tunebook model, a state dict or a folder, not {type(source).__name__}")
     folder.mkdir(parents=True, exist_ok=True)
@@ -195,8 +222,15 @@ def _write_weights(source, folder: Path, dtype) -> Path:
 @patch
 def update_weights(self: VLLMGenerator, source, version: int | None = None) -> float:
     "Reload the policy's weights in place (a tunebook model, LoRA merged on the fly; a state dict; a folder); seconds."
+    if (kind := _model_type(self.model_dir)) in UNVERIFIED_SYNC:
+        raise NotImplementedError(
+            f"update_weights: syncing weights into a running vLLM engine is not verified for {UNVERIFIED_SYNC[kind]}: no test of "
+            "tunebook's vLLM tier has reloaded this family in place and compared the engine's log-probs with tunebook's, so a "
+            "mis-mapped tensor could go unnoticed. policy_tensors(model) writes its checkpoint names (the ones save_hf writes); "
+            "start a new VLLMGenerator on a save_hf folder of the policy instead (vLLM's own loader), or sample with "
+            "tunebook.generate.")
     t0 = time.perf_counter()
-    folder = _write_weights(source, self._tmp / "weights", self.dtype)
+    folder = _write_weights(source, self._tmp / "weights", self.dtype, kind)
     t1 = time.perf_counter()
     reload = max(self.llm.collective_rpc("tunebook_reload", kwargs={"weights_path": str(folder)}))
     self.llm.reset_prefix_cache()   # cached prompt blocks hold the old weights' keys and values
