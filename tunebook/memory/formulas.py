@@ -123,7 +123,7 @@ def _block_linears(c: ModelConfig, i: int = 0) -> list[tuple[int, int, bool]]:
 
 def _gemma4_n_params(c: ModelConfig) -> tuple[int, int, int]:
     "`_n_params` of Gemma 4: two head shapes, no k/v on KV-sharing layers, no v_proj with k_eq_v, PLE, experts beside the MLP."
-    from ..gemma4 import gemma4_kv_roles
+    from tunebook.gemma4 import gemma4_kv_roles
     D, H, P, E, b = c.dim, c.n_heads, c.per_layer_dim, c.n_experts, c.qkv_bias
     lin = total = 0
     tensors = 2 + (0 if c.tie_embeddings else 1) + (3 if P else 0)   # embeddings, final norm, lm_head; PLE table, projection, norm

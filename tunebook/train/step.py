@@ -78,13 +78,6 @@ def _memory_tracker(self: Trainer):
     return MemoryTracker(self.model.embed_tokens.weight.device).watch(self.model, *opts)
 
 @patch
-def tp_context(self: Trainer):
-    "What a step's forward and backward, and eval, run under: on a mesh with tensor parallel `loss_parallel()`, so that the loss is computed on lm_head's vocabulary shards."
-    if self.mesh is None or "tp" not in (self.mesh.mesh_dim_names or ()): return contextlib.nullcontext()
-    from torch.distributed.tensor.parallel import loss_parallel
-    return loss_parallel()
-
-@patch
 def forward_context(self: Trainer):
     "What every forward and loss of a step runs under: activation offloading when it is on, and the precision's autocast."
     stack = contextlib.ExitStack()

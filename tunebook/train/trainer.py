@@ -5,6 +5,7 @@
 # %% ../../nbs/11_training_loop.ipynb #4721b5d8
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -205,6 +206,12 @@ class Trainer:
             self.optimizer = adamw([g for g in groups if g["params"]], **hp)   # torch's fused kernel where it runs
         warmup = min(c.warmup_steps, c.max_steps)  # a run shorter than the warmup warms up over all of it
         self.scheduler = get_schedule(c.schedule, self.optimizer, warmup, c.max_steps, c.min_lr_ratio)
+
+    def tp_context(self):
+        "What a step's forward and backward, and eval, run under: on a mesh with tensor parallel `loss_parallel()`, so that the loss is computed on lm_head's vocabulary shards."
+        if self.mesh is None or "tp" not in (self.mesh.mesh_dim_names or ()): return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+        return loss_parallel()
 
     def evaluate(self) -> dict:
         "The objective's held-out metrics now (SFT: exact match of greedy answers and held-out loss); callbacks hear them."
