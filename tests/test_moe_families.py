@@ -114,7 +114,7 @@ def test_router_choices_and_aux_loss_equal_transformers(pair, name):
         mine = b.router_logits.softmax(-1).topk(k, -1)[1].sort(-1)[0]
         assert torch.equal(mine, r.softmax(-1).topk(k, -1)[1].sort(-1)[0])
     assert abs(moe_aux_loss(ours).item() - out.aux_loss.item()) <= 1e-6
-    assert abs(ours.router_aux_loss().item() - hf.config.router_aux_loss_coef * out.aux_loss.item()) <= 1e-9
+    assert abs(ours.router_aux_loss().item() - hf.config.router_aux_loss_coef * out.aux_loss.item()) <= 1e-7   # the coefficient times the same loss, in fp32 (its rounding at 0.05 is about 4e-9)
 
 
 def test_router_weights_renormalise_as_each_family_does(pair):

@@ -51,7 +51,7 @@ def errors(capsys) -> list[str]:
     (dict(batch_size=2.5), "option batch_size: expected an int or None, got float 2.5: give a whole number (batch_size=2 or 3)"),
     (dict(max_steps=None), "option max_steps: expected an int, got None: give one like the default, max_steps=500"),
     (dict(lr={"a": 1}), "option lr: expected a float or None, got dict {'a': 1}"),
-    (dict(packing="yes"), "option packing: expected a bool, got str 'yes': write packing=True"),
+    (dict(packing="yes"), "option packing: expected a bool or None, got str 'yes': write packing=True"),
     (dict(lora_targets=5), "option lora_targets: expected a tuple of str"),
     (dict(seed=True), "option seed: expected an int, got bool True"),
     (dict(model=3), "option model: expected a str, got int 3: write model='3'"),
