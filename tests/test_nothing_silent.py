@@ -49,7 +49,7 @@ def errors(capsys) -> list[str]:
     (dict(max_steps="10"), "option max_steps: expected an int, got str '10': write max_steps=10"),
     (dict(lr="1e-4"), "option lr: expected a float or None, got str '1e-4': write lr=0.0001"),
     (dict(batch_size=2.5), "option batch_size: expected an int or None, got float 2.5: give a whole number (batch_size=2 or 3)"),
-    (dict(max_steps=None), "option max_steps: expected an int, got None: give one like the default, max_steps=500"),
+    (dict(max_steps=None), "option max_steps: expected an int, got None: give one like the default, max_steps=300"),
     (dict(lr={"a": 1}), "option lr: expected a float or None, got dict {'a': 1}"),
     (dict(packing="yes"), "option packing: expected a bool or None, got str 'yes': write packing=True"),
     (dict(lora_targets=5), "option lora_targets: expected a tuple of str"),

@@ -185,6 +185,6 @@ ASSET_SHA256 = {
 FINETUNE_RECIPE = dict(     # the default fine-tune, measured below
     method="lora", rank=16, alpha=32,
     targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-    lr=5e-3, steps=500, warmup=20, schedule="cosine to 0", weight_decay=0.0, max_grad_norm=1.0,
+    lr=5e-3, steps=300, warmup=20, schedule="cosine to 0", weight_decay=0.0, max_grad_norm=1.0,
     batch_size=32, max_seq_len=64, packing=False,   # one example per row, padded: ~24 tokens each
     n_train=5000, eval_samples=200)

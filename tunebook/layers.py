@@ -17,8 +17,8 @@ from .attention import RMSNorm
 
 
 # %% auto #0
-__all__ = ['ACTIVATIONS', 'FeedForward', 'FusedFeedForward', 'TransformerBlock', 'SandwichBlock', 'FlatRMSNorm', 'round_to_dtype',
-           'ScaledEmbedding', 'default_dtype', 'init_weights']
+__all__ = ['ACTIVATIONS', 'FeedForward', 'FusedFeedForward', 'compute_dtype', 'TransformerBlock', 'SandwichBlock', 'FlatRMSNorm',
+           'round_to_dtype', 'ScaledEmbedding', 'default_dtype', 'init_weights']
 
 # %% ../nbs/01_decoder.ipynb #97affeae
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
@@ -49,6 +49,12 @@ class FusedFeedForward(nn.Module):
         return self.down_proj(ACTIVATIONS[self.act](gate) * up)
 
 # %% ../nbs/01_decoder.ipynb #cb93d326
+def compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    "Under autocast, `x` in the compute dtype: cast once, where each projection that reads a norm's fp32 output would cast it again."
+    dev = x.device.type
+    if x.dtype == torch.float32 and torch.is_autocast_enabled(dev): return x.to(torch.get_autocast_dtype(dev))
+    return x
+
 class TransformerBlock(nn.Module):
     "Pre-norm decoder block: x + attn(norm(x)), then h + mlp(norm(h))."
     def __init__(self, self_attn: nn.Module, mlp: nn.Module, input_layernorm: nn.Module, post_attention_layernorm: nn.Module):
@@ -58,8 +64,8 @@ class TransformerBlock(nn.Module):
         self.checkpoint_fn = None
 
     def _forward(self, x, cos, sin, mask):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = x + self.self_attn(compute_dtype(self.input_layernorm(x)), cos, sin, mask)
+        return h + self.mlp(compute_dtype(self.post_attention_layernorm(h)))
 
     def forward(self, x, cos, sin, mask=None):  # (B, T, dim) -> (B, T, dim)
         if self.checkpoint_fn is not None and self.training and torch.is_grad_enabled():
@@ -74,8 +80,8 @@ class SandwichBlock(TransformerBlock):
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = pre_feedforward_layernorm, post_feedforward_layernorm
 
     def _forward(self, x, cos, sin, mask):
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        h = x + self.post_attention_layernorm(self.self_attn(compute_dtype(self.input_layernorm(x)), cos, sin, mask))
+        return h + self.post_feedforward_layernorm(self.mlp(compute_dtype(self.pre_feedforward_layernorm(h))))
 
 # %% ../nbs/01_decoder.ipynb #985a7196
 class FlatRMSNorm(RMSNorm):

@@ -262,7 +262,7 @@ class BatchPart(Part):
 @dataclass
 class StepPart(Part):
     "Optimizer steps: how many, accumulation, AdamW, schedule and clipping."
-    max_steps: int = 500                 # optimizer steps
+    max_steps: int = 300                 # optimizer steps
     grad_accum_steps: int = 1            # micro-batches accumulated into each optimizer step
     lr: float | None = None              # AdamW's peak learning rate; None: the recipe's for the model and method (embedded 5e-3; a real model: LoRA/DoRA/QLoRA 2e-3, full 1e-4), reported in the log
     weight_decay: float = 0.0            # AdamW's decoupled weight decay

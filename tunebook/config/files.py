@@ -26,13 +26,25 @@ def field_help(cls) -> dict[str, str]:
     return helps
 
 @functools.cache
+def _source_lines(path: str) -> list[str]: return Path(path).read_text().splitlines()
+
+@functools.cache
 def _own_help(k) -> dict[str, str]:
     "The comments after the fields class `k` annotates itself, read from its source once (every parser built asks again)."
     import inspect, re
-    try: src = inspect.getsource(k)
+    try: lines = _source_lines(inspect.getsourcefile(k))
     except (OSError, TypeError): return {}
+    # the class's block: from its `class` line to the next line at its indentation or less. `inspect.getsource` finds the
+    # same block by parsing the whole module, once per class: about a second of every CLI start, for 20 config classes
+    head = re.compile(rf"^(\s*)class {k.__name__}\b")
+    start = next((i for i, l in enumerate(lines) if head.match(l)), None)
+    if start is None: return {}
+    indent = len(head.match(lines[start]).group(1))
+    end = next((j for j in range(start + 1, len(lines)) if lines[j].strip() and len(lines[j]) - len(lines[j].lstrip()) <= indent
+                and not lines[j].lstrip().startswith((")", "#"))), len(lines))
     own = k.__dict__.get("__annotations__", {})
-    return {m.group(1): m.group(2).strip() for m in re.finditer(r"^\s+(\w+):[^#\n]*#\s*(.*)$", src, re.M) if m.group(1) in own}
+    return {m.group(1): m.group(2).strip() for m in re.finditer(r"^\s+(\w+):[^#\n]*#\s*(.*)$", "\n".join(lines[start:end]), re.M)
+            if m.group(1) in own}
 
 def part_fields(cls) -> list[tuple[type, list[str]]]:
     "The fields of config class `cls` grouped by the part that defines each: [(part, names)], the parts in base order, `cls`'s own last."

@@ -67,7 +67,7 @@ def forward(self: LoRALinear, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> 
         return F.linear(x, w, self.bias)
     y = self.base_forward(x)
     if self.disabled: return y
-    xa = self.lora_dropout(x.to(self.lora_A.weight.dtype))
+    xa = self.lora_dropout(x if torch.is_autocast_enabled(x.device.type) else x.to(self.lora_A.weight.dtype))  # autocast casts both
     h = self.lora_A(xa)  # (..., r)
     if self.lora_magnitude_vector is None:
         B = self.lora_B.weight
