@@ -1,6 +1,6 @@
 """The Trainer on an FSDP 2 x TP 2 mesh (`mesh="dp=2,tp=2"`: 4 gloo processes, on 2 cores oversubscribed; loss parallel,
 sequence parallel on the norms) against one process on the same batches: SFT full (clipping that bites, held-out loss, generation eval, a DCP checkpoint resumed,
-the exported Hugging Face folder), SFT LoRA with activation checkpointing, and DPO with LoRA (its reference through the
+the exported Hugging Face folder), SFT LoRA with activation checkpointing, DPO and KTO with LoRA (their reference through the
 split model); losses, gradient norms and weights within 1e-5. And what a tp mesh refuses, one line each."""
 import time
 
@@ -42,6 +42,9 @@ def runs(model_dir, out):
                                  output_dir=f"{out}/lora")),
             ("dpo", "dpo", dict(model=model_dir, task="add", n_pairs=32, n_eval_pairs=4, method="lora", lora_rank=4,
                                 lora_alpha=8.0, lr=3e-3, max_steps=2, beta=0.5, output_dir=f"{out}/dpo",
+                                **{**COMMON, "batch_size": 4})),
+            ("kto", "kto", dict(model=model_dir, task="add", n_examples=32, n_eval_pairs=4, method="lora", lora_rank=4,
+                                lora_alpha=8.0, lr=3e-3, max_steps=2, beta=0.5, output_dir=f"{out}/kto",
                                 **{**COMMON, "batch_size": 4}))]
 
 
@@ -49,13 +52,15 @@ def train_all(model_dir, out, mesh=None, nproc=1):
     """Every run of `runs` on `mesh` (None: one process); per run the step rows, the summary, the eval's completions and
     the whole weights (gathered from the shards)."""
     from tunebook.dpo import DPOConfig, DPOTrainer
+    from tunebook.kto import KTOConfig, KTOTrainer
     from tunebook.train import Trainer
     from tunebook.config import TrainConfig
+    kinds = dict(sft=(TrainConfig, Trainer), dpo=(DPOConfig, DPOTrainer), kto=(KTOConfig, KTOTrainer))
     res = {}
     for name, kind, opts in runs(model_dir, out):
         t0 = time.time()
-        cfg = (TrainConfig if kind == "sft" else DPOConfig)(**opts, nproc=nproc, mesh=mesh)
-        tr = Trainer(cfg) if kind == "sft" else DPOTrainer(cfg)
+        config, trainer = kinds[kind]
+        tr = trainer(config(**opts, nproc=nproc, mesh=mesh))
         summary = tr.fit(progress=False)
         full = lambda v: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
         res[name] = dict(rows=[{k: r[k] for k in ("step", "loss", "grad_norm")} for r in tr.metrics], summary=summary,
@@ -76,7 +81,7 @@ def both(model_dir, tmp_path_factory):
     return one, four, one_dir, four_dir
 
 
-@pytest.mark.parametrize("name", ["full", "full-resumed", "lora", "dpo"])
+@pytest.mark.parametrize("name", ["full", "full-resumed", "lora", "dpo", "kto"])
 def test_fsdp_x_tp_trainer_matches_one_process(both, name):
     one, four, _, _ = both
     ref = one[name]
@@ -121,7 +126,7 @@ def _refusal(make):
 
 def test_tp_refuses_what_it_cannot_do(model_dir, tmp_path):
     from tunebook.config import TrainConfig
-    from tunebook.kto import KTOConfig, KTOTrainer
+    from tunebook.grpo import GRPOConfig, GRPOTrainer
     from tunebook.train import Trainer
     base = dict(model=model_dir, task="add", mesh=MESH, nproc=4, output_dir=str(tmp_path), batch_size=8)
     msg = _refusal(lambda: TrainConfig(**base, chunked_ce=4).validate())
@@ -130,8 +135,8 @@ def test_tp_refuses_what_it_cannot_do(model_dir, tmp_path):
                         (dict(optimizer_in_backward=True, max_grad_norm=None), "optimizer_in_backward"), (dict(batch_size=3), "dp=2 data-parallel ranks")):
         msg = _refusal(lambda: TrainConfig(**{**base, **opts}).validate())
         assert words in msg and msg.count("\n  - ") == 1, msg   # one line, naming the fix
-    msg = _refusal(lambda: KTOTrainer(KTOConfig(**base)))
-    assert "KTO does not say what it computes on logits split over the vocabulary" in msg and "dp_replicate=R,dp_shard=S" in msg, msg
+    msg = _refusal(lambda: GRPOTrainer(GRPOConfig(**{k: v for k, v in base.items() if k != "batch_size"})))
+    assert "GRPO does not say what it computes on logits split over the vocabulary" in msg and "dp_replicate=R,dp_shard=S" in msg, msg
     # a model the split cannot cut: said by setup before the data is read (n_kv_heads=2 over tp=4)
     msg = _refusal(lambda: Trainer(TrainConfig(**{**base, "mesh": "dp=1,tp=4"})).setup())
     assert "tensor parallel over tp=4 cannot split this model: n_kv_heads=2 does not divide over tp=4" in msg, msg

@@ -76,6 +76,8 @@ class KTO(Objective):
     "Unpaired desirable/undesirable answers; the loss of `tunebook.preference.kto_loss`; `Trainer`'s loop does the rest."
     name, lead = "kto", "preference_accuracy"
     chunked_ce = "the policy's and the reference's sequence log-probabilities by vocabulary slices (`sequence_logprobs`)"
+    tensor_parallel = ("the policy's and the reference's log-probabilities, of the rows and of their mismatched pairs, on the vocabulary "
+                       "shards of lm_head (loss_parallel); the reference point averaged over every rank (a TP group's ranks hold the same rows)")
     pure_batches = True   # batch(tr, g) depends on g alone (its mismatched pairs too): built ahead where that pays (CUDA)
     def __init__(self, train_rows=None, eval_pairs=None): self.train_rows, self.eval_pairs, self.held, self.reference = train_rows, eval_pairs, None, None
 

@@ -5,6 +5,7 @@
 # %% ../../nbs/09_measuring_memory.ipynb #b70bf0d7
 from __future__ import annotations
 
+import inspect
 import time
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from ..model import BUILDERS, ModelConfig, build_model, get_config
 from ..moe import count_active_params
 
 # %% auto #0
-__all__ = ['METHODS', 'DTYPES', 'resolve_config', 'estimate', 'estimate_table']
+__all__ = ['METHODS', 'DTYPES', 'resolve_config', 'estimate', 'estimate_table', 'estimate_meshes']
 
 # %% ../../nbs/09_measuring_memory.ipynb #f5209a09
 METHODS = ("full", "lora", "dora", "qlora")
@@ -91,10 +92,7 @@ def estimate(model: str | Path | ModelConfig = "llama3.1-8b", # builder name, lo
             ) -> MemoryReport:
     "Peak memory of one training step by category, from the step itself run on fake tensors."
     cfg, name = resolve_config(model)
-    for k, v in (("nnodes", nnodes), ("tp", tp)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1: raise ValueError(f"{k} must be an integer >= 1, got {v!r}.")
-    if (nproc * nnodes) % tp: raise ValueError(f"tp={tp} does not divide the {nproc * nnodes} ranks (nnodes x nproc).")
-    if hsdp and tp > 1: raise ValueError("hsdp=True and tp > 1 together is a 3-D mesh, which tunebook.mesh does not build; pick one.")
+    _check_mesh(nproc, nnodes, tp, hsdp)
     _check(cfg, method, batch_size, seq_len, dtype, chunked_ce, activation_checkpointing,
            optimizer_in_backward, gradient_accumulation_steps, nproc)
     step = dict(batch_size=batch_size, seq_len=seq_len, chunked_ce=chunked_ce or None,
@@ -110,14 +108,10 @@ def estimate(model: str | Path | ModelConfig = "llama3.1-8b", # builder name, lo
         n_active = count_active_params(m) if cfg.n_experts else n_params   # an MoE token uses k of each layer's experts
         adapted = sorted({k.rsplit(".", 1)[-1] for k in lora_modules(m)}   # the targets as applied
                          | {f"experts.{p}" for e in expert_lora_modules(m).values() for p in e.adapters})
-        ranks = nproc * nnodes
-        if ranks > 1:
-            shards = nproc if hsdp else ranks // tp
-            report.categories = fsdp_memory(m, shards, param_dtype=dtype, categories=report.categories, tp=tp)
+        if nproc * nnodes > 1:
+            report.categories, how = _per_rank(m, report.categories, dtype, nproc, nnodes, tp, hsdp)
             report.peak_bytes = sum(report.categories.values())
-            how = (f"HSDP: sharded over the {nproc} ranks of a node, {nnodes} replicas" if hsdp else
-                   f"FSDP over {shards} ranks" + (f" x tensor parallel over {tp}" if tp > 1 else ""))
-            report.how += f"; per rank of {ranks} ({how}): shards and gather buffers by formula (fsdp_memory)"
+            report.how += f"; {how}"
     del m
     report.seconds = time.perf_counter() - t0
     report.settings.update(model=name, method=method, dtype=dtype, params=n_params, trainable_params=n_train, nproc=nproc,
@@ -135,6 +129,22 @@ def estimate(model: str | Path | ModelConfig = "llama3.1-8b", # builder name, lo
         report.error = (report.peak_bytes - measured.peak_bytes) / measured.peak_bytes
         report.cuda = measured.cuda
     return report
+
+def _check_mesh(nproc, nnodes, tp, hsdp) -> None:
+    "Refuse a mesh `tunebook.mesh` cannot build, naming why."
+    for k, v in (("nnodes", nnodes), ("tp", tp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1: raise ValueError(f"{k} must be an integer >= 1, got {v!r}.")
+    if (nproc * nnodes) % tp: raise ValueError(f"tp={tp} does not divide the {nproc * nnodes} ranks (nnodes x nproc).")
+    if hsdp and tp > 1: raise ValueError("hsdp=True and tp > 1 together is a 3-D mesh, which tunebook.mesh does not build; pick one.")
+
+def _per_rank(m, categories: dict, dtype, nproc, nnodes, tp, hsdp) -> tuple[dict, str]:
+    "One rank's bytes by category on a mesh, from the one-process step's `categories` and model `m`'s shapes; and how."
+    ranks = nproc * nnodes
+    shards = nproc if hsdp else ranks // tp
+    how = (f"HSDP: sharded over the {nproc} ranks of a node, {nnodes} replicas" if hsdp else
+           f"FSDP over {shards} ranks" + (f" x tensor parallel over {tp}" if tp > 1 else ""))
+    return (fsdp_memory(m, shards, param_dtype=dtype, categories=categories, tp=tp),
+            f"per rank of {ranks} ({how}): shards and gather buffers by formula (fsdp_memory)")
 
 def _check_fits(report: MemoryReport, device: str) -> None:
     "Refuse to measure a step that would not fit (with margin) in this machine's free memory."
@@ -158,3 +168,28 @@ def estimate_table(rows: dict, **common) -> "pd.DataFrame":
         out[name] = {"peak GiB": round(r.peak_gib, 2), "peak in": r.peak_phase,
                      **{c: round(v / 2**30, 2) for c, v in r.categories.items()}, "seconds": round(r.seconds, 1)}
     return pd.DataFrame(out).T
+
+def estimate_meshes(model, # as for `estimate`
+                    meshes: dict, # {label: dict(nproc=8, nnodes=1, tp=1, hsdp=False)}, each key optional
+                    **kw, # the step's settings, as for `estimate` (not its nproc/nnodes/tp/hsdp)
+                   ) -> "pd.DataFrame":
+    "GiB per rank by category for each mesh, and the peak: the step run on fake tensors once, each mesh's shards and gather buffers by formula."
+    import pandas as pd
+    if bad := {"nproc", "nnodes", "tp", "hsdp", "measure"} & set(kw):
+        raise ValueError(f"estimate_meshes: give {', '.join(sorted(bad))} per mesh in `meshes`, not for all of them.")
+    for label, mesh in meshes.items():
+        if extra := set(mesh) - {"nproc", "nnodes", "tp", "hsdp"}:
+            raise ValueError(f"mesh {label!r}: unknown key(s) {', '.join(sorted(extra))}; use nproc, nnodes, tp, hsdp.")
+        _check_mesh(mesh.get("nproc", 1), mesh.get("nnodes", 1), mesh.get("tp", 1), mesh.get("hsdp", False))
+    one = estimate(model, **kw)   # one process: the traced step (and every check of the settings)
+    p = dict(inspect.signature(estimate).parameters)
+    get = lambda k: kw.get(k, p[k].default)
+    rows = {}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        m = _build(resolve_config(model)[0], get("method"), get("dtype"), get("lora_rank"), get("lora_alpha"), get("lora_targets"), init=False)
+        for label, mesh in meshes.items():
+            mesh = dict(dict(nproc=1, nnodes=1, tp=1, hsdp=False), **mesh)
+            cats = one.categories if mesh["nproc"] * mesh["nnodes"] == 1 else _per_rank(m, one.categories, get("dtype"), **mesh)[0]
+            rows[label] = {**{c: v / 2**30 for c, v in cats.items()}, "peak GiB": sum(cats.values()) / 2**30}
+    del m
+    return pd.DataFrame(rows).T.fillna(0.0)   # one process has no gather buffers

@@ -112,7 +112,7 @@ class Objective:
         from tunebook.mesh import tp_degree
         if tp_degree(getattr(config, "mesh", None)) > 1 and not type(self).__dict__.get("tensor_parallel"):
             return [f"{config.opt('mesh')}: {type(self).__name__} does not say what it computes on logits split over the vocabulary "
-                    "(Objective.tensor_parallel; finetune and dpo do); use a dp_replicate=R,dp_shard=S mesh or leave --mesh out"]
+                    "(Objective.tensor_parallel; finetune, dpo and kto do); use a dp_replicate=R,dp_shard=S mesh or leave --mesh out"]
         return []
 
     def __repr__(self): return f"{type(self).__name__}()"
