@@ -172,11 +172,7 @@ class KTOPart(Part):
             if getattr(self, k) <= 0: bad.append(f"{o(k)} must be > 0")
         for k in ("n_examples", "n_eval_pairs"):
             if getattr(self, k) < 1: bad.append(f"{o(k)} must be >= 1")
-        from tunebook.mesh import tp_degree
-        ranks = max(1, getattr(self, "nproc", 1)) * max(1, getattr(self, "nnodes", 1) or 1)
-        try: tp = tp_degree(getattr(self, "mesh", None))
-        except ValueError: tp = 1   # a mesh spec it cannot read is said by the mesh check
-        dp = max(1, ranks // max(1, tp))   # a TP group's ranks read the same rows
+        dp = self.data_parallel_ranks() if hasattr(self, "data_parallel_ranks") else 1   # MemoryPart's, in KTOConfig
         per = (getattr(self, "batch_size", 2) or 8) // dp   # None: the recipe's, 8 or more
         if per < 2: bad.append(f"batch_size={getattr(self, 'batch_size', None)} over {dp} data-parallel process(es) leaves {per} example per "
                                "process: KTO's reference point needs at least 2 to form mismatched pairs; raise --batch-size")

@@ -336,12 +336,9 @@ class MemoryPart(Part):
             bad += in_backward_problems(getattr(self, "grad_accum_steps", 1), getattr(self, "max_grad_norm", None))
         if self.nproc < 1: bad.append(f"{o('nproc')} must be >= 1")
         if self.nnodes < 1: bad.append(f"{o('nnodes')} must be >= 1")
-        tp = 1
+        tp = self.tp_degree()
         if self.mesh is not None:
             bad += mesh_problems(self.mesh, self.nproc * max(self.nnodes, 1))
-            from tunebook.mesh import tp_degree
-            try: tp = tp_degree(self.mesh)
-            except ValueError: pass   # said by mesh_problems
             if tp > 1: bad += tp_option_problems(self)
         for k in ("rdzv_endpoint", "rdzv_id"):   # read by the launcher alone: on one machine they would do nothing
             if self.nnodes == 1 and getattr(self, k) != MemoryPart.__dataclass_fields__[k].default:
@@ -360,6 +357,16 @@ class MemoryPart(Part):
         if self.nproc > 1 and getattr(self, "method", None) == "qlora": bad.append("qlora is not supported with nproc > 1 (NF4 weights do not shard)")
         if self.nproc > 1 and self.activation_offloading: bad.append("activation_offloading is not supported with nproc > 1 yet")
         return bad + super().problems()
+
+    def tp_degree(self) -> int:
+        "The mesh's tensor-parallel size (1: no tp dimension, no mesh, or a spec mesh_problems refuses)."
+        from tunebook.mesh import tp_degree
+        try: return tp_degree(self.mesh)
+        except ValueError: return 1   # said by mesh_problems
+
+    def data_parallel_ranks(self) -> int:
+        "Processes that each take their own share of a batch: nnodes x nproc over tp (a TP group's ranks read the same rows)."
+        return max(1, max(self.nproc, 1) * max(self.nnodes, 1) // self.tp_degree())
 
 # %% ../../nbs/11_training_loop.ipynb #6751d83f
 @dataclass
