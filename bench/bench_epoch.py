@@ -113,7 +113,7 @@ def run_tunebook(a, data: Path, out: Path) -> dict:
             "--lr", str(a["lr"]), "--warmup-steps", str(a["warmup"]), "--schedule", "cosine", "--epochs", "1",
             "--max-seq-len", str(a["max_seq_len"]), "--batch-size", str(a["pack_batch"] if packed else a["batch"]),
             "--packing" if packed else "--no-packing", "--dtype", a["dtype"], "--eval-fraction", "0", "--eval-samples", "0",
-            "--output-dir", str(out / "run"), "--quiet", "--seed", "0", "--device", a["device"]]
+            "--output-dir", str(out / "run"), "--quiet", "--seed", str(a["train_seed"]), "--device", a["device"]]
     if a["chunked_ce"]: args += ["--chunked-ce", str(a["chunked_ce"])]
     if a["compile"]: args.append("--compile")
     import tunebook.cli as cli
@@ -123,7 +123,11 @@ def run_tunebook(a, data: Path, out: Path) -> dict:
     wall = time.perf_counter() - t0
     s = json.loads((out / "run" / "summary.json").read_text())
     trained = s["trained_tokens_per_second"] * s["train_seconds"]
-    return dict(epoch_s=s["train_seconds"], job_s=wall, steps=s["steps"], trained_tokens=round(trained),
+    import csv
+    m = list(csv.DictReader((out / "run" / "metrics.csv").open()))
+    per_step = dict(losses=[float(r["loss"]) for r in m if r.get("loss")], grad_norms=[float(r["grad_norm"]) for r in m if r.get("grad_norm")],
+                    lrs=[float(r["lr"]) for r in m if r.get("lr")])
+    return dict(epoch_s=s["train_seconds"], cpu_s=s["train_cpu_seconds"], **per_step, job_s=wall, steps=s["steps"], trained_tokens=round(trained),
                 padding_waste=s.get("padding_share"), computed_tokens=round(s["tokens_per_second"] * s["train_seconds"]),
                 precision=s["precision"], model_dir=str(out / "run" / "model"))
 
@@ -153,7 +157,7 @@ def run_trl(a, data: Path, out: Path) -> dict:
     cfg = SFTConfig(output_dir=str(out / "trl"), num_train_epochs=1, learning_rate=a["lr"], lr_scheduler_type="cosine",
                     warmup_steps=a["warmup"], per_device_train_batch_size=a["pack_batch"] if packed else a["batch"],
                     max_grad_norm=1.0, weight_decay=0.0, logging_steps=1000, save_strategy="no", report_to=[], bf16=bf16,
-                    use_cpu=a["device"] == "cpu", max_length=a["max_seq_len"], completion_only_loss=True, seed=0,
+                    use_cpu=a["device"] == "cpu", max_length=a["max_seq_len"], completion_only_loss=True, seed=a["train_seed"],
                     packing=packed, padding_free=mode == "padding_free", dataloader_num_workers=0,
                     train_sampling_strategy="group_by_length" if mode == "grouped" else "random", disable_tqdm=True)
     stats = dict(computed=0, real=0, steps=0)
@@ -167,10 +171,12 @@ def run_trl(a, data: Path, out: Path) -> dict:
         stats["label"] = stats.get("label", 0) + int((b["labels"][:, 1:] != IGNORE).sum())
         return b
     trainer.data_collator = counting
+    cpu0 = time.process_time()
     r = trainer.train()
+    cpu = time.process_time() - cpu0
     m = trainer.model.merge_and_unload() if a["method"] == "lora" else trainer.model
     m.save_pretrained(out / "model", safe_serialization=True)
-    return dict(epoch_s=r.metrics["train_runtime"], steps=r.global_step, trained_tokens=stats["label"],
+    return dict(epoch_s=r.metrics["train_runtime"], cpu_s=cpu, steps=r.global_step, trained_tokens=stats["label"],
                 padding_waste=1 - stats["real"] / stats["computed"], computed_tokens=stats["computed"],
                 precision="bf16-mixed (autocast)" if bf16 else "fp32", model_dir=str(out / "model"))
 
@@ -194,8 +200,11 @@ def run_torchtune(a, data: Path, out: Path) -> dict:
     from transformers import AutoTokenizer
     pad = AutoTokenizer.from_pretrained(a["model"]).pad_token_id or 0
     packs = PackedDataset(samples, max_seq_len=a["max_seq_len"], padding_idx=pad, split_across_pack=False)
-    g = torch.Generator().manual_seed(0)
-    dl = DataLoader(packs, batch_size=a["pack_batch"], shuffle=True, generator=g, collate_fn=padded_collate_packed)
+    torch.manual_seed(a["train_seed"])   # the LoRA A draw (its recipes call training.set_seed)
+    # the packs in tunebook's epoch order (a permutation drawn from the seed): the same batches in the same steps, so the
+    # step-0 losses agree and the held-out losses differ only by what the frameworks do with them
+    order = torch.randperm(len(packs), generator=torch.Generator().manual_seed(a["train_seed"])).tolist()
+    dl = DataLoader(packs, batch_size=a["pack_batch"], sampler=order, collate_fn=padded_collate_packed)
     precision = "bf16" if a["dtype"] in ("bf16", "bf16-mixed", "auto-bf16") else "fp32"
     run = TorchtuneRun(a["model"], a["method"], precision, a["device"], rank=16, alpha=32.0, lr=a["lr"], num_chunks=1 if precision == "bf16" else 8)
     model, opt = run.model, run.optimizer
@@ -203,17 +212,20 @@ def run_torchtune(a, data: Path, out: Path) -> dict:
     sched = get_cosine_schedule_with_warmup(opt, num_warmup_steps=a["warmup"], num_training_steps=total)
     params = [p for p in model.parameters() if p.requires_grad]
     computed = real = label = 0
-    t0 = time.perf_counter()
+    losses, norms, lrs = [], [], []
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for b in dl:
         b = {k: v.to(a["device"]) for k, v in b.items()}
         labels = torch.hstack((b["labels"][..., 1:], torch.full_like(b["labels"][..., :1], IGNORE)))   # the recipe's shift
         logits = model(b["tokens"], mask=b["mask"], input_pos=b["input_pos"])
         loss = run.loss_fn(logits, labels)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        lrs.append(sched.get_last_lr()[0])
         opt.step(); opt.zero_grad(set_to_none=True); sched.step()
+        losses.append(float(loss.detach())); norms.append(float(norm))
         computed += b["tokens"].numel(); label += int((labels != IGNORE).sum())
-    epoch = time.perf_counter() - t0
+    epoch, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     real = sum(len(r["ids"]) for r in rows)
     sd = {k: v.float() for k, v in model.state_dict().items()}
     if a["method"] == "lora": sd = get_merged_lora_ckpt(sd, rank=16, alpha=32.0)
@@ -223,7 +235,7 @@ def run_torchtune(a, data: Path, out: Path) -> dict:
     (out / "model").mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in hf.items()}, str(out / "model" / "model.safetensors"))
     (out / "model" / "config.json").write_text(json.dumps(cfg))
-    return dict(epoch_s=epoch, steps=total, trained_tokens=label, padding_waste=1 - real / computed, computed_tokens=computed,
+    return dict(epoch_s=epoch, cpu_s=cpu, losses=losses, grad_norms=norms, lrs=lrs, steps=total, trained_tokens=label, padding_waste=1 - real / computed, computed_tokens=computed,
                 precision=precision, model_dir=str(out / "model"))
 
 
@@ -310,7 +322,8 @@ def main(argv=None):
     ap.add_argument("--frameworks", default=",".join(f if m is None else f"{f}:{m}" for f, m in ENTRIES))
     ap.add_argument("--compile", action="store_true", help="also a tunebook packed row with --compile")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the data's seed (which rows, which held out)")
+    ap.add_argument("--train-seed", type=int, default=0, help="every framework's training seed (LoRA init, row order)")
     ap.add_argument("--smoke", action="store_true", help="12 rows of at most 128 tokens, 4 held out: seconds per run")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -349,7 +362,7 @@ def main(argv=None):
                             data=str(data), out=str(Path(tmp) / f"{f}_{mode}_{method}"), threads=a.threads, device=a.device,
                             lr=a.lr_lora if method == "lora" else a.lr_full, warmup=1 if a.smoke else a.warmup,
                             batch=a.batch, pack_batch=a.pack_batch, chunked_ce=a.chunked_ce, max_seq_len=a.max_seq_len,
-                            dtype=a.torchtune_dtype if f == "torchtune" else dtype)
+                            dtype=a.torchtune_dtype if f == "torchtune" else dtype, train_seed=a.train_seed)
                 r = spawn(spec, timeout=1800)
                 results.append(dict(framework=f, mode=mode, method=method, **r))
                 print(f"  {method:4s} {f}:{mode}: " + (f"ERROR {r['error']}" if "error" in r else
@@ -378,7 +391,7 @@ def main(argv=None):
 def print_table(out):
     print(f"\nCPU: {out['cpu']}; load average at the end {out['load_average'][0]:.1f}; bench {out['bench_s']:.0f} s")
     print(f"held-out loss of the untrained model (same evaluator): {out['eval_loss_base']}")
-    hdr = f"{'method':6s} {'framework:mode':26s} {'epoch s':>8s} {'trained tok/s':>13s} {'computed tok/s':>14s} {'padding':>8s} {'steps':>5s} {'peak RSS MiB':>12s} {'held-out loss':>13s} {'tunebook packed is x faster':>28s}"
+    hdr = f"{'method':6s} {'framework:mode':26s} {'epoch s':>8s} {'CPU s':>7s} {'trained tok/s':>13s} {'computed tok/s':>14s} {'padding':>8s} {'steps':>5s} {'peak RSS MiB':>12s} {'held-out loss':>13s} {'tunebook packed is x faster':>28s}"
     print(hdr); print("-" * len(hdr))
     for m in dict.fromkeys(r["method"] for r in out["rows"]):
         rows = [r for r in out["rows"] if r["method"] == m]
@@ -391,7 +404,7 @@ def print_table(out):
             ratio = (r["epoch_s"] / ref["epoch_s"]) if ref else float("nan")
             r["tunebook_packed_speedup"] = ratio
             ev = f"{r['eval_loss']:.4f}" if r.get("eval_loss") is not None else "n/a"
-            print(f"{m:6s} {name:26s} {r['epoch_s']:8.1f} {r['trained_tokens_per_s']:13.1f} {r['computed_tokens'] / r['epoch_s']:14.1f} {r['padding_waste']:8.1%} {r['steps']:5d} "
+            print(f"{m:6s} {name:26s} {r['epoch_s']:8.1f} {r.get('cpu_s', float('nan')):7.1f} {r['trained_tokens_per_s']:13.1f} {r['computed_tokens'] / r['epoch_s']:14.1f} {r['padding_waste']:8.1%} {r['steps']:5d} "
                   f"{r['peak_rss'] / 2**20:12.0f} {ev:>13s} {ratio:27.2f}x")
 
 

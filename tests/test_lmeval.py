@@ -67,8 +67,28 @@ def _both(pretrained, tasks, max_length=None, adapter=None, peft=None, hf_dir=No
     ours = run_eval(TunebookLM(pretrained=pretrained, adapter=adapter, batch_size=5, stop_check=3, **kw), names,
                     include_path=d, log_samples=True)
     hf = HFLM(pretrained=str(hf_dir or pretrained), peft=peft, batch_size=4, device="cpu", dtype="float32", **kw)
-    theirs = lm_eval.simple_evaluate(model=hf, tasks=names, task_manager=TaskManager(include_path=str(d)), log_samples=True)
+    # lm_eval's own index of the folder alone (its ~14,000 built-in tasks are not needed here and take ~20 s to index)
+    theirs = lm_eval.simple_evaluate(model=hf, tasks=names, task_manager=TaskManager(include_path=str(d), include_defaults=False),
+                                     log_samples=True)
     return ours, theirs, names
+
+
+def test_task_manager_indexes_the_folder_alone_when_it_defines_every_task(tasks, tmp_path, monkeypatch):
+    """Indexing lm_eval's built-in tasks takes ~20 s: a folder defining every task asked for is indexed alone, and once per
+    process; a name it lacks, or a group of it (which may name built-in tasks), takes the whole index; an edit re-indexes."""
+    import tunebook.lmeval as le
+    d, names = tasks
+    tm = le.task_manager(names, d)
+    assert sorted(tm.all_tasks) == sorted(names) and le.task_manager(names[:1], d) is tm
+    (tmp_path / "g.yaml").write_text("group: tunebook_group\ntask:\n  - arc_easy\n")
+    asked = []
+    monkeypatch.setattr(le, "_index", lambda path, defaults, yamls: asked.append(defaults) or TaskManager(include_path=path, include_defaults=False))
+    le.task_manager(["tunebook_group"], tmp_path); le.task_manager(["hellaswag"], d)
+    assert asked == [False, True, False, True]   # the folder first, then the whole index, for both
+    monkeypatch.undo()
+    (d / "tunebook_extra.yaml").write_text((d / f"{names[0]}.yaml").read_text().replace(f"task: {names[0]}", "task: tunebook_extra"))
+    try: assert "tunebook_extra" in le.task_manager(["tunebook_extra"], d).all_tasks   # written after the first index
+    finally: (d / "tunebook_extra.yaml").unlink()
 
 
 def test_embedded_matches_hflm(tasks):

@@ -250,14 +250,15 @@ class DocumentSpans:
     def attend(self, q, k, v,                      # (B, H, T, hd), (B, Hkv, T, hd), (B, Hkv, T, hd)
                scale: float | None = None, enable_gqa: bool = False,
                sliding_window: int | None = None) -> torch.Tensor:   # (B, H, T, hd)
+        # unbind and split, not indexing: their backward gathers the documents' gradients into a row in one copy, where
+        # the backward of each slice `q[b:b+1, :, s:e]` writes a zero tensor the size of q and adds it to the others
         rows = []
-        for b, row in enumerate(self.spans):
-            parts = []
-            for s, e in row:
-                m = None if sliding_window is None or e - s <= sliding_window else \
-                    build_mask(e - s, sliding_window=sliding_window, device=q.device)
-                parts.append(sdpa(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e], m, m is None,
-                                  scale, enable_gqa))
+        for row, qr, kr, vr in zip(self.spans, q.unbind(0), k.unbind(0), v.unbind(0)):   # (H, T, hd) each
+            sizes, parts = [e - s for s, e in row], []
+            for n, qd, kd, vd in zip(sizes, qr.split(sizes, 1), kr.split(sizes, 1), vr.split(sizes, 1)):
+                m = None if sliding_window is None or n <= sliding_window else \
+                    build_mask(n, sliding_window=sliding_window, device=q.device)
+                parts.append(sdpa(qd.unsqueeze(0), kd.unsqueeze(0), vd.unsqueeze(0), m, m is None, scale, enable_gqa))
             rows.append(torch.cat(parts, 2) if len(parts) > 1 else parts[0])
         return torch.cat(rows, 0) if len(rows) > 1 else rows[0]
 

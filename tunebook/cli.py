@@ -66,7 +66,9 @@ def _finetune(args) -> int:
           f"{trainer.n_trainable:,} trainable parameters", flush=True)
     say(f"  {trainer.recipe['recipe_report']}", flush=True)   # lr and batch size: the recipe's for this model where unset, and why
     s = trainer.fit(progress=not args.quiet)   # Ctrl-C or SIGTERM: a checkpoint, then `Interrupted` naming it (exit 130/143)
-    say(f"  held-out exact match: {s['eval_accuracy_before']:.1%} -> {s['eval_accuracy_after']:.1%}")
+    acc = [s.get(f"eval_accuracy_{w}") for w in ("before", "after")]
+    if all(a is not None and not math.isnan(a) for a in acc): say(f"  held-out exact match: {acc[0]:.1%} -> {acc[1]:.1%}")
+    else: say("  held-out exact match: not measured (no held-out examples)")
     waste = (f" ({s['padding_share']:.0%} of them padding, {s['trained_share']:.0%} trained)" if "padding_share" in s else "")
     say(f"  {s['tokens_per_second']:.0f} tokens/s{waste}, peak memory {human_bytes(s['peak_memory_bytes'])} "
           f"({s['peak_memory_measured_by']}), {time.perf_counter() - t0:.0f} s in all")
@@ -100,10 +102,10 @@ def _check_eval_tasks(args) -> None:
     "Refuse unknown lm_eval task names (or a missing lm_eval) before any training."
     from tunebook.lmeval import _need_lm_eval
     _need_lm_eval()
-    from lm_eval.tasks import TaskManager
+    from tunebook.lmeval import task_manager
     if args.eval_include_path is not None and not os.path.isdir(args.eval_include_path):
         raise FileNotFoundError(f"--eval-include-path {args.eval_include_path!r} is not a folder of task YAML files")
-    tm = TaskManager(include_path=args.eval_include_path)
+    tm = task_manager([t for t in args.eval_tasks.split(",") if t], args.eval_include_path)
     unknown = [t for t in args.eval_tasks.split(",") if t and t not in tm.all_tasks]
     if unknown: raise ValueError(f"--eval-tasks: unknown lm_eval task(s) {', '.join(unknown)}; check the names, or give --eval-include-path")
 

@@ -136,7 +136,7 @@ def _interrupted(self: Trainer, stops: StopRequests, start: int, at_once: bool =
 def log(self: Trainer, row: dict):
     "Append one line about this step to output_dir/log.txt (every log_every steps; the progress bar shows the same)."
     if not self.is_main: return
-    skip = {"step", "loss", "lr", "tokens", "seq_tokens", "real_tokens", "seconds", "peak_phase", "peak_bytes"}
+    skip = {"step", "loss", "lr", "tokens", "seq_tokens", "real_tokens", "seconds", "cpu_seconds", "peak_phase", "peak_bytes"}
     extra = "".join(f" {k} {v:.4g}" for k, v in row.items() if k not in skip and not k.startswith("mem_")
                     and isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None)
     try:

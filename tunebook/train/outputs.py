@@ -61,12 +61,12 @@ def run_stats(self: Trainer) -> dict:
     peak, how = self.peak_memory()
     trained = sum(r["tokens"] for r in self.metrics)
     seq = sum(r["seq_tokens"] for r in self.metrics)
-    secs = sum(r["seconds"] for r in self.metrics)
+    secs, cpu = sum(r["seconds"] for r in self.metrics), sum(r.get("cpu_seconds", 0.0) for r in self.metrics)
     real = sum(r.get("real_tokens", 0) for r in self.metrics)
     shares = dict(padding_share=1 - real / seq, trained_share=trained / seq) if real and seq else {}   # of the positions computed
     return dict(steps=self.step, final_loss=self.metrics[-1]["loss"] if self.metrics else None, **shares,
                 tokens_per_second=seq / secs if secs else None, trained_tokens_per_second=trained / secs if secs else None,
-                train_seconds=secs, peak_memory_bytes=peak, peak_memory_measured_by=how,
+                train_seconds=secs, train_cpu_seconds=cpu, peak_memory_bytes=peak, peak_memory_measured_by=how,
                 trainable_params=self.n_trainable, total_params=count_params(self.model), method=self.config.method,
                 precision=self.precision.name, precision_report=self.precision.report(), compile=self.config.compile,
                 stopped_early=self.step < self.config.max_steps,

@@ -131,7 +131,7 @@ def _mean_stats(acc: dict, world: int) -> dict:
 def train_step(self: Trainer) -> dict:
     "One optimizer step over `grad_accum_steps` micro-batches of the objective; returns its metrics."
     if not self.is_setup: self.setup()
-    c, obj, t0 = self.config, self.objective, time.perf_counter()
+    c, obj, t0, cpu0 = self.config, self.objective, time.perf_counter(), time.process_time()
     self.model.train()
     batches, weights = self.step_batches()
     n_local = sum(weights)   # the step divides the summed loss by the units of all its micro-batches (and ranks)
@@ -184,12 +184,12 @@ def train_step(self: Trainer) -> dict:
     lr = self.scheduler.get_last_lr()[0]
     self.scheduler.step()
     self.step += 1
-    seconds = time.perf_counter() - t0
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0   # wall, and CPU time of all our threads
     row = dict(step=self.step, **({"epoch": round(min(self.step * c.grad_accum_steps, self.micro_limit or math.inf) / self.n_batches, 3)}
                                   if self.n_batches else {}),
                loss=loss, lr=lr, grad_norm=grad_norm, tokens=sum(int(n) for n in host_counts) * self.dp_world,
                seq_tokens=sum(int(b["tokens"].numel()) for b in batches if "tokens" in b) * self.dp_world,
-               **({"real_tokens": sum(int(n) for n in host_reals) * self.dp_world} if host_reals else {}), seconds=seconds,
+               **({"real_tokens": sum(int(n) for n in host_reals) * self.dp_world} if host_reals else {}), seconds=seconds, cpu_seconds=cpu_seconds,
                **_mean_stats(_reduce_stats(acc, dict(zip(keys, host_stats))), self.world))
     if tracker is not None:
         row.update(peak_bytes=tracker.peak, peak_phase=tracker.peak_phase,
