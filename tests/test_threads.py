@@ -54,3 +54,12 @@ def test_the_run_log_says_how_threads_wait(tmp_path):
     _env_after("import torch\n" + code)
     line = [l for l in (tmp_path / "run" / "log.txt").read_text().splitlines() if l.startswith("threads:")]
     assert "they spin while they wait (torch was imported before tunebook)" in line[0], line
+
+
+def test_a_spin_count_of_the_users_is_said_as_set(monkeypatch):
+    "GOMP_SPINCOUNT alone was reported as spinning because torch came first; it is the user's setting, and said so."
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False); monkeypatch.delenv("TUNEBOOK_SET_OMP_WAIT", raising=False)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
+    assert core.fit_threads().endswith("; GOMP_SPINCOUNT=1000, as set")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert core.fit_threads().endswith("; OMP_WAIT_POLICY=PASSIVE and GOMP_SPINCOUNT=1000, as set")

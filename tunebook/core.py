@@ -55,13 +55,13 @@ def fit_threads() -> str:
     n, cores = torch.get_num_threads(), cpu_cores()
     lower = n > cores and n == _TORCH_THREADS   # torch's default, not the caller's torch.set_num_threads
     if lower: torch.set_num_threads(cores)
-    q, policy = cpu_quota(), os.environ.get("OMP_WAIT_POLICY")
+    q, policy, spin = cpu_quota(), os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT")
     limit = f"the {cores} CPU(s) this process may use" + (f" (cgroup quota {q:g})" if q else "")
     said = f"{torch.get_num_threads()} torch threads for {limit}" + (f", lowered from {n}" if lower else
                                                                       " (as the caller set them)" if n != _TORCH_THREADS else "")
     if os.environ.get("TUNEBOOK_SET_OMP_WAIT") and policy == "PASSIVE":
         how = "they sleep while they wait (OMP_WAIT_POLICY=PASSIVE, set by tunebook: spinning threads made a step 4x slower on a shared CPU)"
-    elif policy: how = f"OMP_WAIT_POLICY={policy}, as set"
+    elif policy or spin: how = " and ".join(f"{k}={v}" for k, v in (("OMP_WAIT_POLICY", policy), ("GOMP_SPINCOUNT", spin)) if v) + ", as set"
     else: how = ("they spin while they wait (torch was imported before tunebook): on a shared CPU, start Python with "
                  "OMP_WAIT_POLICY=PASSIVE")
     return f"{said}; {how}"
