@@ -331,7 +331,8 @@ def test_autocast_bf16_matmuls_in_both_passes_weight_cast_once(B):
     assert all(set(dts) == {torch.bfloat16} for op, dts, _ in fwd if op in MATMULS)   # operands (and out=) all bf16
     # backward: the only fp32 product is dW, one (v, N) x (N, D) mm per vocabulary slice, written into its rows (out=)
     dw = [shapes for op, dts, shapes in bwd if op in MATMULS and torch.float32 in dts]
-    assert len(dw) == 8 and all(s[0] == (s[2][0], B * 24) and s[1] == (B * 24, 32) for s in dw), dw
+    n = B * 24 - 5                                          # the trained positions only (make_inputs ignores 5)
+    assert len(dw) == 8 and all(s[0] == (s[2][0], n) and s[1] == (n, 32) for s in dw), dw
     assert sum(s[2][0] for s in dw) == 500 and not any(op == "addmm_" and (500, 32) in sh for op, _, sh in bwd)
 
 
@@ -358,9 +359,34 @@ def test_flat_chunks_are_plain_2d_matmuls(dtype):
     assert all(op == "mm" or op == "addmm_" for op, _, _ in fwd + bwd if op in MATMULS)
     assert not any(op == "expand" for op, _, _ in fwd + bwd)
     assert weight_copies(fwd, 500, 32) == 0 and weight_copies(bwd, 500, 32) == 0   # dW's slices go straight into its rows
-    # every product takes all 80 flattened tokens as one row block, against one of 8 vocabulary slices
+    # every product takes the 75 trained tokens of the 80 flattened ones as one row block, against one of 8 vocabulary slices
     mm = [shapes for op, _, shapes in fwd if op == "mm"]
-    assert {s[0] for s in mm} == {(80, 32)} and len(mm) == 8 and sum(s[1][1] for s in mm) == 500
+    assert {s[0] for s in mm} == {(75, 32)} and len(mm) == 8 and sum(s[1][1] for s in mm) == 500
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_only_the_trained_positions_get_logits(reduction, dtype):
+    "On a CPU the products take the positions that count and no others (prompts, padding); values and gradients as full logits."
+    hidden, weight, labels = make_inputs(B=3, T=40, D=32, V=500, dtype=dtype, n_ignored=0, seed=5)
+    labels[0, :30] = -100; labels[2, ::2] = -100                     # a prompt, and every other position of a row
+    n = int((labels != -100).sum())
+    ce = ChunkedCrossEntropy(4, reduction=reduction)
+    fn = (lambda h, w, y: ce(h, w, y).sum()) if reduction == "none" else ce
+    fwd, bwd = op_logs(fn, hidden, weight, labels)
+    rows = {s[0][0] for op, _, s in fwd + bwd if op == "mm" and s[0][1] == 32}   # (rows, D) x (D, v): logits, recomputed
+    assert rows == {n} and n < 3 * 40, (rows, n)
+    def ref(h, w, y):
+        per = F.cross_entropy((h @ w.t()).float().flatten(0, 1), y.flatten(), ignore_index=-100, reduction="none")
+        return per.sum() if reduction != "mean" else per.sum() / n
+    errs = errors(hidden, weight, labels, fn, ref)
+    tol = (BF16_LOSS_TOL * (n if reduction != "mean" else 1), BF16_GRAD_TOL) if dtype == torch.bfloat16 else (n * 1e-6, FP32_TOL)
+    assert errs[0] <= tol[0] and max(errs[1:]) <= tol[1], errs
+    _, gh, _ = run(fn, hidden, weight, labels)
+    assert gh[labels == -100].abs().max() == 0 and gh[labels != -100].abs().min() > 0
+    # with nothing ignored every position is a row, as before
+    fwd, _ = op_logs(ChunkedCrossEntropy(4), *make_inputs(B=3, T=40, D=32, V=500, dtype=dtype, n_ignored=0))
+    assert {s[0][0] for op, _, s in fwd if op == "mm"} == {120}
 
 
 def test_cpu_vocabulary_slices_are_narrow_and_exact():

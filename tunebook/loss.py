@@ -66,6 +66,12 @@ def _slice_logits(hs, w, v0, v1, zbuf, fbuf, softcap=None, start=0):
     if softcap is not None: z.div_(softcap).tanh_().mul_(softcap)
     return z
 
+def _trained_rows(keep: torch.Tensor) -> torch.Tensor | None:
+    "Indices of the positions that count, where gathering them pays: on a CPU, outside compile, some positions ignored."
+    if keep.device.type != "cpu" or type(keep) is not torch.Tensor or torch.compiler.is_compiling(): return None   # no sync, no data-dependent shape
+    rows = keep.nonzero().squeeze(1)
+    return None if rows.numel() == keep.numel() else rows
+
 class _ChunkedLinearCE(torch.autograd.Function):
     "Cross-entropy over `hidden @ weight.T`, summed / normalizer (normalizer None: per token), both passes by vocabulary slices."
 
@@ -81,6 +87,9 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 raise ValueError(f"labels must be token ids in [0, {V}) or ignore_index ({ignore_index}); got {bad}: "
                                  "check that the tokenizer and the model's vocabulary match.")
         slices = _vocab_slices(V, num_chunks, hidden.device)
+        rows = _trained_rows(keep) if type(hidden) is torch.Tensor else None   # only the positions that count get logits (prompts, padding: none)
+        hs = hidden.reshape(-1, hidden.shape[-1])
+        if rows is not None: hs, y, keep = hs.index_select(0, rows), y.index_select(0, rows), keep.index_select(0, rows)
         N, dev, width = y.numel(), hidden.device, max(b - a for a, b in slices)
         lse, z_y = None, torch.full((N,), float("nan"), dtype=acc, device=dev)   # NaN stays for a label no slice holds
         keep_logits = num_chunks == 1   # no chunking asked for: every slice's logits stay (in the matmul dtype) and backward need not recompute them
@@ -88,7 +97,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         zbuf = torch.empty(N * (V if keep_logits else width), dtype=cdt, device=dev)
         fbuf = torch.empty(N * width, dtype=acc, device=dev) if cdt != acc or keep_logits else None
         with no_autocast(dev.type):
-            hs, w = hidden.reshape(-1, hidden.shape[-1]).to(cdt), weight.to(cdt)   # (N, D), (V, D): cast once per call
+            hs, w = hs.to(cdt), weight.to(cdt)                  # (N, D), (V, D): cast once per call
             for v0, v1 in slices:                               # (N, v): every token's logits for this slice
                 z = _slice_logits(hs, w, v0, v1, zbuf, fbuf, softcap, v0 if keep_logits else 0)   # kept: each slice in its own place
                 inside = (y >= v0) & (y < v1)
@@ -97,8 +106,10 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 part = z.sub_(m).exp_().sum(-1).log_().add_(m.squeeze(-1))      # this slice's fp32 logsumexp, in place
                 lse = part if lse is None else torch.logaddexp(lse, part)       # merged: log(e^a + e^b)
         per = torch.where(keep, lse - z_y, 0.0)                  # (N,) each token's loss, 0 where ignored
+        if rows is not None: per = per.new_zeros(labels.numel()).index_copy_(0, rows, per)   # back in place, 0 where ignored
         ctx.save_for_backward(hidden, weight, labels, normalizer, lse, *([zbuf] if keep_logits else []))
         ctx.slices, ctx.ignore_index, ctx.softcap, ctx.cdt = slices, ignore_index, softcap, cdt
+        ctx.gathered = rows is not None                          # backward finds the same rows again from the labels
         if normalizer is None: return per.view(labels.shape)   # reduction="none"
         return (per.double().sum() / normalizer).to(acc)        # per-token losses added in fp64
 
@@ -108,9 +119,13 @@ class _ChunkedLinearCE(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[:2]
         cdt, D, V = ctx.cdt, hidden.shape[-1], weight.shape[0]   # the forward's dtype, autocast or not
         acc = torch.promote_types(cdt, torch.float32)
-        y = labels.reshape(-1)
+        y, hs, g = labels.reshape(-1), hidden.reshape(-1, D), grad.reshape(-1)
+        rows = (y != ctx.ignore_index).nonzero().squeeze(1) if ctx.gathered else None
+        if rows is not None:                                     # the forward's positions that count, and only those
+            y, hs = y.index_select(0, rows), hs.index_select(0, rows)
+            if normalizer is None: g = g.index_select(0, rows)
         keep = y != ctx.ignore_index
-        g = grad.reshape(-1).to(acc) if normalizer is None else (grad.double() / normalizer).to(acc)   # per token, or one scalar
+        g = g.to(acc) if normalizer is None else (grad.double() / normalizer).to(acc)   # per token, or one scalar
         coef = (keep.to(acc) * g).unsqueeze(-1)                  # (N, 1): 0 on ignored tokens
         gh = torch.zeros((y.numel(), D), dtype=acc, device=hidden.device) if need_h else None   # dh, summed over slices
         grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if need_w else None
@@ -119,7 +134,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         fbuf = torch.empty(N * width, dtype=acc, device=dev) if cdt != acc or kept else None
         hbuf = torch.empty((N, D), dtype=cdt, device=dev) if need_h and cdt != acc else None   # each slice's bf16 part of dh
         with no_autocast(dev.type):
-            hs, w = hidden.reshape(-1, D).to(cdt), weight.to(cdt)
+            hs, w = hs.to(cdt), weight.to(cdt)
             hs_w = hs.to(acc) if need_w and weight.dtype == acc else hs   # dW in the weight's dtype: fp32 products of the bf16 values
             for v0, v1 in ctx.slices:
                 ws, n = w[v0:v1], v1 - v0                          # (v, D) rows of the weight: a view, no copy
@@ -141,6 +156,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
                     if cdt == acc: gh.addmm_(p, ws)
                     else: gh.add_(torch.mm(dz, ws, out=hbuf))      # a bf16 product per slice, summed in fp32
                 del p, dz
+        if need_h and rows is not None:                          # ignored positions get a zero gradient
+            gh = gh.new_zeros((labels.numel(), D)).index_copy_(0, rows, gh)
         grad_h = gh.to(hidden.dtype).view(hidden.shape) if need_h else None
         return grad_h, grad_w, None, None, None, None, None
 
