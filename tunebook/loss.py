@@ -12,8 +12,8 @@ from torch import nn
 from .core import no_autocast
 
 # %% auto #0
-__all__ = ['CPU_VOCAB_SLICE', 'num_loss_tokens', 'cross_entropy_loss', 'ChunkedCrossEntropy', 'chunked_logprobs',
-           'projection_weight']
+__all__ = ['CPU_VOCAB_SLICE', 'GATHER_MIN_IGNORED', 'num_loss_tokens', 'cross_entropy_loss', 'ChunkedCrossEntropy',
+           'chunked_logprobs', 'projection_weight']
 
 # %% ../nbs/07_loss.ipynb #e0cdf040
 def num_loss_tokens(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -66,11 +66,13 @@ def _slice_logits(hs, w, v0, v1, zbuf, fbuf, softcap=None, start=0):
     if softcap is not None: z.div_(softcap).tanh_().mul_(softcap)
     return z
 
+GATHER_MIN_IGNORED = 1 / 8   # the products skip the ignored positions when at least this share of them is ignored (CPU)
+
 def _trained_rows(keep: torch.Tensor) -> torch.Tensor | None:
-    "Indices of the positions that count, where gathering them pays: on a CPU, outside compile, some positions ignored."
+    "Indices of the positions that count, where gathering them pays: on a CPU, outside compile, enough positions ignored."
     if keep.device.type != "cpu" or type(keep) is not torch.Tensor or torch.compiler.is_compiling(): return None   # no sync, no data-dependent shape
     rows = keep.nonzero().squeeze(1)
-    return None if rows.numel() == keep.numel() else rows
+    return rows if keep.numel() - rows.numel() >= GATHER_MIN_IGNORED * keep.numel() else None
 
 class _ChunkedLinearCE(torch.autograd.Function):
     "Cross-entropy over `hidden @ weight.T`, summed / normalizer (normalizer None: per token), both passes by vocabulary slices."
