@@ -5,7 +5,8 @@ Each measurement is a fresh process (the wait policy is read when torch loads Op
 Conditions: quiet (nothing started by the benchmark; other work on the machine shows in the load average printed),
 and loaded (one busy Python process per core, started by the benchmark for the measurement and stopped after).
 Policies: `spin` (libgomp's default: `GOMP_SPINCOUNT=300000`, which tunebook leaves alone) and `tunebook` (what
-`import tunebook` sets: `OMP_WAIT_POLICY=PASSIVE`), each with the threads torch starts (the cores). The peer is the
+`import tunebook` chooses: `OMP_WAIT_POLICY=PASSIVE` when other work takes half a CPU or more of its CPUs as it starts,
+libgomp's default on idle CPUs), each with the threads torch starts (the cores). The peer is the
 same model and LoRA step in transformers + peft, torch imported first (so it spins, as any torch program does by
 default): its slowdown under the same load is the yardstick. Quote the ratios, with the CPU and the load printed.
 

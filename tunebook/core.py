@@ -59,8 +59,14 @@ def fit_threads() -> str:
     limit = f"the {cores} CPU(s) this process may use" + (f" (cgroup quota {q:g})" if q else "")
     said = f"{torch.get_num_threads()} torch threads for {limit}" + (f", lowered from {n}" if lower else
                                                                       " (as the caller set them)" if n != _TORCH_THREADS else "")
-    if os.environ.get("TUNEBOOK_SET_OMP_WAIT") and policy == "PASSIVE":
-        how = "they sleep while they wait (OMP_WAIT_POLICY=PASSIVE, set by tunebook: spinning threads made a step 4x slower on a shared CPU)"
+    mark = os.environ.get("TUNEBOOK_SET_OMP_WAIT")   # what `import tunebook` measured before torch loaded: other work's CPUs
+    seen = None if mark in (None, "unknown") else f"other work used {float(mark):.1f} CPUs of these when tunebook started"
+    if mark and policy == "PASSIVE":
+        how = (f"they sleep while they wait (OMP_WAIT_POLICY=PASSIVE, set by tunebook: {seen or 'the load of other work could not be read'}; "
+               "spinning threads made a step 4x slower on a shared CPU)")
+    elif mark and not (policy or spin):
+        how = (f"they spin a moment, then sleep, while they wait (OpenMP's default, kept by tunebook: {seen}); if other work will "
+               "share these CPUs, start Python with OMP_WAIT_POLICY=PASSIVE")
     elif policy or spin: how = " and ".join(f"{k}={v}" for k, v in (("OMP_WAIT_POLICY", policy), ("GOMP_SPINCOUNT", spin)) if v) + ", as set"
     else: how = ("they spin while they wait (torch was imported before tunebook): on a shared CPU, start Python with "
                  "OMP_WAIT_POLICY=PASSIVE")
