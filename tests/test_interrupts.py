@@ -209,7 +209,8 @@ def test_a_folder_made_read_only_mid_run_is_rescued_and_named(tmp_path):
     one error line names it (the lock that cannot be removed is a warning, not the error), and it resumes."""
     script = (f"{CLI} --method lora --max-steps 400 --save-every 1 --log-every 1 & pid=$!; "
               "while ! grep -q 'step 3/' $DIR/run/log.txt 2>/dev/null; do sleep 0.05; done; "
-              "mount -o remount,ro $DIR; wait $pid")
+              # a remount fails ("busy") at an instant a file is open for writing (a checkpoint every step): try again
+              "until mount -o remount,ro $DIR 2>/dev/null; do kill -0 $pid || break; sleep 0.01; done; wait $pid")
     r = _in_tmpfs(tmp_path, "64m", script, tmp_path / "copy")
     line = _one_error(r)
     assert r.returncode == 3 and "could not write checkpoint" in line and "Read-only file system" in line, line
