@@ -11,10 +11,11 @@ import torch
 import tunebook.core as core
 
 
-def _env_after(code, **env):
-    import os
+def _env_after(code, *names, **env):
+    "The environment variables `names` (default OMP_WAIT_POLICY) after `code` ran in a fresh interpreter, space-separated."
     e = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "TUNEBOOK_SET_OMP_WAIT")}
-    out = subprocess.run([sys.executable, "-c", code + "\nimport os; print(os.environ.get('OMP_WAIT_POLICY'))"],
+    show = ", ".join(f"os.environ.get({n!r})" for n in names or ("OMP_WAIT_POLICY",))
+    out = subprocess.run([sys.executable, "-c", code + f"\nimport os; print({show})"],
                          capture_output=True, text=True, env={**e, **env}, cwd="/tmp")
     assert out.returncode == 0, out.stderr
     return out.stdout.strip().splitlines()[-1]
@@ -37,10 +38,7 @@ def test_import_tunebook_before_torch_chooses_how_threads_wait():
         assert _env_after("import tunebook", GOMP_SPINCOUNT="1000") == "None"
         assert _env_after("import torch, tunebook") == "None"        # too late to matter: left alone, and said (below)
     # whatever the load now: the policy is the one the measured load calls for, and the measurement is kept
-    code = "import tunebook, os; print(os.environ['TUNEBOOK_SET_OMP_WAIT'], os.environ.get('OMP_WAIT_POLICY'))"
-    mark, policy = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/tmp",
-                                  env={k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "TUNEBOOK_SET_OMP_WAIT")}
-                                  ).stdout.split()
+    mark, policy = _env_after("import tunebook", "TUNEBOOK_SET_OMP_WAIT", "OMP_WAIT_POLICY").split()
     assert policy == ("PASSIVE" if float(mark) >= 0.5 else "None"), (mark, policy)
 
 
