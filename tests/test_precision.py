@@ -2,6 +2,8 @@
 machine (read from /proc/cpuinfo here, independently), refusals, and the loss-scaling recipe the trainer uses.
 (What each mode keeps in which dtype through real trainer steps, and exact resume in each: tests/test_modes.py.)"""
 import copy
+import json
+import math
 from pathlib import Path
 
 import pytest
@@ -76,29 +78,106 @@ def test_loss_and_grads_match_fp32_reference(mode, lora, chunked):
         assert rel(flat, flat_ref) > 1e-6
 
 
-def test_auto_on_this_machine():
+def _reference_speedup() -> float:
+    "fp32's time over bf16's for tunebook's calibration matmul, timed by torch.utils.benchmark (not by tunebook's timer)."
+    from torch.utils.benchmark import Timer
+    a, b = torch.randn(512, 1024), torch.randn(1024, 1024)
+    took = {dt: Timer("a @ b", globals=dict(a=a.to(dt), b=b.to(dt))).blocked_autorange(min_run_time=0.2).median
+            for dt in (torch.float32, torch.bfloat16)}
+    return took[torch.float32] / took[torch.bfloat16]
+
+
+def test_auto_on_this_machine(tmp_path, monkeypatch):
+    "auto picks bf16-mixed where a bf16 matmul is measured (independently) well over 1.3x fp32's speed, fp32 where well under; the report names the flags."
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     flags = {w for line in text.splitlines() if line.startswith("flags") for w in line.split(":", 1)[1].split()}
     have = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
     p = resolve_precision("auto", "cpu")
-    assert p.asked == "auto"
-    if have:
-        assert p.name == "bf16-mixed" and p.param_dtype == torch.float32 and p.compute_dtype == torch.bfloat16
-        assert all(f in p.report() for f in have), p.report()
-    else:
-        assert p.name == "fp32", p.report()
+    ref = _reference_speedup()
+    assert p.asked == "auto" and p.name in ("bf16-mixed", "fp32")
+    if abs(math.log(ref / 1.3)) > math.log(1.5):   # clear of the line (AMX: 4-7x; emulated bf16: under 1x)
+        assert (p.name == "bf16-mixed") == (ref >= 1.3), (ref, p.report())
+    if p.name == "bf16-mixed":
+        assert p.param_dtype == torch.float32 and p.compute_dtype == torch.bfloat16
+    assert all(f in p.report() for f in have) and "x as fast as fp32 here" in p.report(), p.report()
     assert p.report().startswith(f"precision {p.name} (asked auto) on cpu: ")
     assert resolve_precision(None).name == p.name  # no dtype given: auto
+    assert json.loads((tmp_path / "tunebook" / "bf16_speed.json").read_text())   # measured once, kept
+
+
+def _fake_calibration(monkeypatch, speedup):
+    import tunebook.precision as tp
+    monkeypatch.setattr(tp, "bf16_calibration", lambda refresh=False: dict(speedup=speedup, measured="2026-01-01 00:00:00", cached=True))
 
 
 def test_auto_without_bf16_flags_is_fp32(monkeypatch):
     import tunebook.precision as tp
     monkeypatch.setattr(tp, "cpu_flags", lambda path="/proc/cpuinfo": frozenset({"sse4_2", "avx2", "fma"}))
+    _fake_calibration(monkeypatch, 0.4)   # what a CPU that emulates bf16 measures
     p = resolve_precision("auto", "cpu")
-    assert p.name == "fp32" and "amx_bf16" in p.reason and "fp32 is faster" in p.report()
+    assert p.name == "fp32" and "amx_bf16" in p.reason and "0.4x as fast" in p.reason and "fp32 is faster" in p.report()
     assert fast_bf16("cpu", flags=frozenset({"avx512_bf16"}))[0]
 
 
+def test_the_measurement_decides_against_the_flags(monkeypatch):
+    "Flags that claim bf16 but a slow matmul: fp32; no flags but a fast matmul (an Arm CPU, say): bf16-mixed; each says why."
+    import tunebook.precision as tp
+    monkeypatch.setattr(tp, "cpu_flags", lambda path="/proc/cpuinfo": frozenset({"avx2", "amx_bf16", "amx_tile"}))
+    _fake_calibration(monkeypatch, 0.8)
+    p = resolve_precision("auto", "cpu", width=576)
+    assert p.name == "fp32" and "has amx_bf16" in p.reason and "but a bf16 matmul ran 0.8x" in p.reason and "under the 1.3x" in p.reason
+    monkeypatch.setattr(tp, "cpu_flags", lambda path="/proc/cpuinfo": frozenset({"fp", "asimd", "bf16"}))
+    _fake_calibration(monkeypatch, 3.0)
+    p = resolve_precision("auto", "cpu", width=576)
+    assert p.name == "bf16-mixed" and "neither amx_bf16 nor avx512_bf16, but a bf16 matmul ran 3.0x" in p.reason
+    _fake_calibration(monkeypatch, 1.29)
+    assert resolve_precision("auto", "cpu", width=576).name == "fp32"   # the line is 1.3x
+
+
+def test_calibration_off_trusts_the_flags(monkeypatch):
+    import tunebook.precision as tp
+    def never(refresh=False): raise AssertionError("measured although TUNEBOOK_BF16_CALIBRATION=off")
+    monkeypatch.setattr(tp, "bf16_calibration", never)
+    monkeypatch.setenv("TUNEBOOK_BF16_CALIBRATION", "off")
+    monkeypatch.setattr(tp, "cpu_flags", lambda path="/proc/cpuinfo": frozenset({"avx2", "avx512_bf16"}))
+    ok, why = fast_bf16("cpu")
+    assert ok and "avx512_bf16" in why and "matmul" not in why
+    monkeypatch.setattr(tp, "cpu_flags", lambda path="/proc/cpuinfo": frozenset({"avx2"}))
+    assert fast_bf16("cpu") == (False, "the CPU has neither amx_bf16 nor avx512_bf16 (bf16 would be emulated, slower than fp32)")
+
+
+def test_calibration_is_measured_once_and_kept_whole(tmp_path, monkeypatch):
+    import tunebook.precision as tp
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(tp, "_MEASURED", {})
+    calls = []
+    real = tp.measure_bf16_speedup
+    monkeypatch.setattr(tp, "measure_bf16_speedup", lambda *a, **k: calls.append(1) or real(reps=2))
+    first = tp.bf16_calibration()
+    path = tmp_path / "tunebook" / "bf16_speed.json"
+    saved = json.loads(path.read_text())
+    assert not first["cached"] and saved[tp.calibration_key()]["speedup"] == first["speedup"] > 0
+    assert first["fp32_ms"] > 0 and first["bf16_ms"] > 0 and first["shape"] == [512, 1024, 1024]
+    again = tp.bf16_calibration()
+    assert again["cached"] and again["speedup"] == first["speedup"] and len(calls) == 1
+    assert not tp.bf16_calibration(refresh=True)["cached"] and len(calls) == 2
+    monkeypatch.setattr(tp, "calibration_key", lambda: "another CPU | flags 0 | torch x | 1 threads")
+    tp.bf16_calibration()
+    assert len(json.loads(path.read_text())) == 2 and len(calls) == 3   # one entry per CPU, threads and torch
+    path.write_text("{ half a file")   # a damaged cache is measured again by the next process and rewritten, not an error
+    monkeypatch.setattr(tp, "_MEASURED", {})
+    assert not tp.bf16_calibration()["cached"] and json.loads(path.read_text()) and len(calls) == 4
+    assert [p.name for p in path.parent.iterdir()] == ["bf16_speed.json"]   # no temporary file left behind
+
+
+def test_calibration_without_a_writable_cache(tmp_path, monkeypatch):
+    import tunebook.precision as tp
+    (tmp_path / "f").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "f"))   # a file where the folder would go: nothing can be written
+    monkeypatch.setattr(tp, "_MEASURED", {})
+    first, again = tp.bf16_calibration(), tp.bf16_calibration()
+    assert not first["cached"] and again["cached"] and again["speedup"] == first["speedup"]   # this process remembers it
 def test_refusals():
     with pytest.raises(ValueError, match="needs CUDA"): resolve_precision("fp16-mixed", "cpu")
     with pytest.raises(ValueError, match="fp16-mixed"): resolve_precision("fp16", "cpu")
