@@ -1,4 +1,5 @@
-"""One epoch over a JSONL of ragged real rows: tunebook (padded and packed), TRL's SFTTrainer and torchtune 0.6.1's
+"""One epoch over a JSONL of ragged real rows: tunebook (packed, padded, or `tunebook:default`: packing left unset, as a
+bare `tunebook finetune` decides), TRL's SFTTrainer and torchtune 0.6.1's
 packed recipe, each fine-tuning SmolLM2-135M-Instruct (LoRA rank 16 on all seven projections, and full), each in its
 own process, alone on the CPU, one after another (the order alternates between LoRA and full).
 
@@ -108,11 +109,14 @@ def cosine(step, total, warmup, lr):
 def run_tunebook(a, data: Path, out: Path) -> dict:
     "The CLI, as a user runs it: the training file, the held-out rows scored by the common evaluator afterwards."
     packed = a["mode"] == "packed"
+    # packed: --packing, pack_batch sequences of max_seq_len a step; padded: --no-packing, batch rows a step; default:
+    # packing left unset (tunebook packs a ragged file by itself, about `batch` rows a step), what a bare finetune does
+    packing = {"packed": ["--packing"], "padded": ["--no-packing"], "default": []}[a["mode"]]
     args = ["finetune", "--model", a["model"], "--data", str(data / "train.jsonl"), "--format", "instruct",
             "--method", a["method"], "--lora-rank", "16", "--lora-alpha", "32", "--lora-targets", ",".join(TARGETS),
             "--lr", str(a["lr"]), "--warmup-steps", str(a["warmup"]), "--schedule", "cosine", "--epochs", "1",
             "--max-seq-len", str(a["max_seq_len"]), "--batch-size", str(a["pack_batch"] if packed else a["batch"]),
-            "--packing" if packed else "--no-packing", "--dtype", a["dtype"], "--eval-fraction", "0", "--eval-samples", "0",
+            *packing, "--dtype", a["dtype"], "--eval-fraction", "0", "--eval-samples", "0",
             "--output-dir", str(out / "run"), "--quiet", "--seed", str(a["train_seed"]), "--device", a["device"]]
     if a["chunked_ce"]: args += ["--chunked-ce", str(a["chunked_ce"])]
     if a["compile"]: args.append("--compile")
@@ -129,7 +133,8 @@ def run_tunebook(a, data: Path, out: Path) -> dict:
                     lrs=[float(r["lr"]) for r in m if r.get("lr")])
     return dict(epoch_s=s["train_seconds"], cpu_s=s["train_cpu_seconds"], **per_step, job_s=wall, steps=s["steps"], trained_tokens=round(trained),
                 padding_waste=s.get("padding_share"), computed_tokens=round(s["tokens_per_second"] * s["train_seconds"]),
-                precision=s["precision"], model_dir=str(out / "run" / "model"))
+                precision=s["precision"], model_dir=str(out / "run" / "model"), rows_per_step=s.get("rows_per_step"),
+                packing=next((l.strip() for l in (out / "run" / "log.txt").read_text().splitlines() if "packing:" in l), None))
 
 
 def _tok_rows(data, name):

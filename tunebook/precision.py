@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import os
+import platform
 import time
 from pathlib import Path
 
@@ -61,12 +63,10 @@ def _cpu_name() -> str:
     try: text = Path("/proc/cpuinfo").read_text()
     except OSError: text = ""
     names = [l.split(":", 1)[1].strip() for l in text.splitlines() if l.split(":")[0].strip() in ("model name", "Model name")]
-    import platform
     return names[0] if names else platform.processor() or platform.machine()
 
 def calibration_key() -> str:
     "What a measurement holds for: the CPU's name, a digest of its flags, torch's version and its thread count."
-    import hashlib
     flags = hashlib.sha1(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:10]
     return f"{_cpu_name()} | flags {flags} | torch {torch.__version__} | {torch.get_num_threads()} threads"
 
