@@ -105,6 +105,10 @@ def bf16_calibration(refresh: bool = False) -> dict:
     return dict(got, cached=False)
 
 # %% ../nbs/08_memory_techniques.ipynb #84be01aa
+def _home_short(path: Path) -> str:
+    home = str(Path.home())
+    return "~" + str(path)[len(home):] if home not in ("", "/") and str(path).startswith(home + os.sep) else str(path)
+
 def _calibrated() -> bool:
     "Whether `fast_bf16` measures (`TUNEBOOK_BF16_CALIBRATION=off` trusts the CPU flags alone)."
     return os.environ.get("TUNEBOOK_BF16_CALIBRATION", "on").strip().lower() not in ("0", "off", "no", "false")
@@ -129,7 +133,7 @@ def fast_bf16(device: str | torch.device = "cpu", flags: frozenset | None = None
     cal = bf16_calibration()
     fast = cal["speedup"] >= BF16_MIN_SPEEDUP
     seen = (f"a bf16 matmul ran {cal['speedup']:.1f}x as fast as fp32 here "
-            f"({'measured ' + cal['measured'] if cal['cached'] else 'measured now'}, {calibration_path()})")
+            f"({'measured ' + cal['measured'] if cal['cached'] else 'measured now'}, {_home_short(calibration_path())})")
     if fast == bool(found): return fast, f"{claims}; {seen}"
     return fast, f"{claims}, but {seen}" + ("" if fast else f": under the {BF16_MIN_SPEEDUP}x bf16 needs to pay")
 
