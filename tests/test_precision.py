@@ -264,3 +264,24 @@ def test_fp16_mixed_on_cuda():
     loss_tol, grad_tol = TOLERANCE["fp16-mixed"]
     assert abs(loss.item() - ref_loss.item()) / ref_loss.item() <= loss_tol
     assert rel(g, torch.cat([v.flatten() for v in ref_g.values()])) <= grad_tol
+
+
+def _auto_on_a_rank(out):
+    "One rank of a two-process run whose ranks measure their CPU's bf16 differently (rank 0: fast, rank 1: slow)."
+    import torch.distributed as dist
+    import tunebook.precision as tp
+    from tunebook.config import TrainConfig
+    from tunebook.train import Trainer
+    tp.AUTO_MIN_WIDTH_CPU = 1   # the embedded model counts as wide: the measurement decides
+    speed = 3.0 if dist.get_rank() == 0 else 0.5
+    tp.bf16_calibration = lambda refresh=False: dict(speedup=speed, measured="2026-01-01 00:00:00", cached=True)
+    t = Trainer(TrainConfig(max_steps=1, eval_samples=0, n_train=64, device="cpu", nproc=2, output_dir=out)).setup()
+    return t.precision.name, t.precision.reason
+
+
+def test_ranks_train_in_rank_zeros_choice(tmp_path):
+    "dtype=auto in a multi-process CPU run: every rank trains in the precision rank 0 measured, and says so."
+    from tunebook.launch import launch
+    (n0, why0), (n1, why1) = launch(_auto_on_a_rank, nproc=2, args=(str(tmp_path / "run"),), verbose=False, timeout=300)
+    assert n0 == n1 == "bf16-mixed"
+    assert "3.0x as fast" in why0 and why1.startswith("rank 0's choice: ") and "3.0x as fast" in why1

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..config import TUNED, TrainConfig
 from ..core import count_params, fit_threads, get_device, patch, seed_everything
-from ..precision import resolve_precision
+from ..precision import Precision, resolve_precision
 from ..loggers import make_loggers
 from ..loss import projection_weight
 from ..optim import adamw, decay_groups, fused_available, get_schedule, optimizer_in_backward
@@ -106,6 +106,12 @@ class Trainer:
         width = model_width(c, self.model)   # a hub name's width is known only now
         # once, on the model that trains; fp32 master weights for the mixed modes
         self.precision = resolve_precision(c.dtype, get_device(c.device), width)
+        if self.world > 1 and self.precision.asked == "auto" and self.precision.device_type == "cpu":
+            # each rank measured its CPU's bf16 (tunebook.precision.bf16_calibration): all train in rank 0's choice
+            chosen = [self.precision.record()]
+            dist.broadcast_object_list(chosen, src=0)
+            if chosen[0]["name"] != self.precision.name:
+                self.precision = Precision(chosen[0]["name"], "cpu", f"rank 0's choice: {chosen[0]['reason']}", asked="auto")
         self.scaler = self.precision.make_scaler()   # fp16-mixed only: the loss scaler
         if not self.recipe:   # lr / batch_size left None: the recipe for this model (embedded, or real by its width) and method
             filled, self.recipe = c.with_defaults(width)
