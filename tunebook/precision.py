@@ -59,6 +59,7 @@ def calibration_path() -> Path:
     "Where measured CPU speeds are kept: $XDG_CACHE_HOME/tunebook/bf16_speed.json (~/.cache when unset)."
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tunebook" / "bf16_speed.json"
 
+@functools.lru_cache(maxsize=None)
 def _cpu_name() -> str:
     try: text = Path("/proc/cpuinfo").read_text()
     except OSError: text = ""
