@@ -97,7 +97,7 @@ def test_smoke_prints_table(smoke):
 
 
 # ---- the ragged-epoch row (bench/bench_epoch.py --smoke --methods lora, run by device.sh --smoke beside the above)
-EPOCH_ENTRIES = {("tunebook", "packed"), ("tunebook", "padded"), ("trl", "grouped"), ("torchtune", "packed")}
+EPOCH_ENTRIES = {("tunebook", "default"), ("tunebook", "packed"), ("tunebook", "padded"), ("trl", "grouped"), ("torchtune", "packed")}
 
 
 @pytest.fixture(scope="module")

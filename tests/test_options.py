@@ -231,6 +231,7 @@ SHARED = {
     "max_grad_norm": lambda env: ("1e-12", lambda t, d: _delta(t) < 0.01 * _delta(d)),   # clipped to ~0: Adam's eps dominates
     "max_seq_len": lambda env: ("30", lambda t, d: _max_len(t) <= 30 < _max_len(d)),
     "packing": lambda env: (None, lambda t, d: len(t.rows) < len(d.rows)),
+    "padding_free": lambda env: (None, lambda t, d: _batch(t)["tokens"].shape[0] == 1 < _batch(d)["tokens"].shape[0] and "attn_mask" not in _batch(t)),
     "dtype": lambda env: ("bf16", lambda t, d: t.model.embed_tokens.weight.dtype == torch.bfloat16),
     "device": lambda env: _device(),
     "seed": lambda env: ("7", lambda t, d: not torch.equal(_batch(t)["tokens"], _batch(d)["tokens"])),

@@ -27,8 +27,9 @@ def _trainer(tok, out, **kw):
 @pytest.mark.parametrize("kw", [dict(method="full"),
                                 dict(method="lora", grad_accum_steps=2),
                                 dict(method="full", chunked_ce=3, optimizer_in_backward=True, max_grad_norm=None),
-                                dict(method="dora", packing=True, max_seq_len=48)],
-                         ids=["full", "lora-accum", "chunked-oib", "dora-packed"])
+                                dict(method="dora", packing=True, max_seq_len=48),
+                                dict(method="lora", padding_free=True, grad_accum_steps=2)],
+                         ids=["full", "lora-accum", "chunked-oib", "dora-packed", "lora-padding-free"])
 def test_resume_is_bit_exact(tok, tmp_path, kw):
     a = _trainer(tok, tmp_path / "a", **kw).setup()
     ref = [a.train_step()["loss"] for _ in range(6)]
@@ -252,6 +253,9 @@ def test_padding_and_trained_shares_are_reported(tok, tmp_path):
     b = _trainer(tok, tmp_path / "single", batch_size=1, max_steps=4).setup()
     s = b.fit(progress=False)
     assert s["padding_share"] == 0.0 and 0 < s["trained_share"] < 1
+    c = _trainer(tok, tmp_path / "padding-free", padding_free=True, max_steps=4).setup()   # 8 rows a step, end to end
+    s = c.fit(progress=False)
+    assert s["padding_share"] == 0.0 and 0 < s["trained_share"] < 1
 
 
 def _big_vocab_trainer(tok, out, vocab=40_000, **kw):
@@ -294,31 +298,46 @@ def _ragged_file(path, n=48, seed=0):
     return path
 
 
-def test_packing_left_unset_packs_ragged_file_rows_and_keeps_rows_a_step(tok, tmp_path):
-    """packing left unset: a file whose padded batches would be mostly padding is packed, with about batch_size rows a step
-    (so the learning rate and the steps an epoch keep their meaning), every labelled token of the file trained once an epoch,
-    the choice in the log; a file of even rows, a synthetic task and a value given are left as they are."""
+def test_padding_free_left_unset_lays_a_ragged_files_batches_end_to_end(tok, tmp_path):
+    """padding_free left unset: a file whose padded batches would be mostly padding gets padding-free batches: each step
+    holds the same batch_size rows a padded batch would (the steps an epoch unchanged), laid end to end in one sequence
+    with no padding, every labelled token of the file trained once an epoch, each row's loss what it is alone; the
+    choice is in the log and config.yaml (a resume finds it); a file of even rows, a synthetic task and a value given are
+    left as they are."""
+    import math
+    import torch.nn.functional as F
     f = _ragged_file(tmp_path / "ragged.jsonl")
     t = _trainer(tok, tmp_path / "auto", data=str(f), eval_fraction=0.1, max_seq_len=256, batch_size=8, epochs=1,
                  max_steps=TrainConfig.max_steps).setup()
-    assert t.config.packing is True and type(t.rows).__name__ == "PackedDataset", t.choices.get("packing_report")
-    k = t.config.batch_size
-    docs_a_step = k * t.rows.n_examples / len(t.rows)
-    assert k < 8 and 4 <= docs_a_step <= 16, (k, docs_a_step)
-    assert t.choices["packing_report"].startswith(f"on (packing left unset: {t.rows.n_examples} rows of ")
-    labelled = sum(sum(l != -100 for l in t.train_data[i]["labels"]) for i in range(len(t.train_data)))
-    trained = sum(int((t.micro_batch(g)["labels"] != -100).sum()) for g in range(t.n_batches))
+    assert (t.config.padding_free, t.config.packing, t.config.batch_size) == (True, False, 8), t.choices.get("padding_free_report")
+    assert t.choices["padding_free_report"].startswith(f"on (left unset: {len(t.rows)} rows of ")
+    assert t.n_batches == math.ceil(len(t.rows) / 8)   # as many steps as padded batches
+    labelled, trained = sum(sum(l != -100 for l in r["labels"]) for r in t.rows), 0
+    for g in range(t.n_batches):
+        rows, b = t.objective.rows_of(t, g), t.micro_batch(g)
+        assert b["tokens"].shape == (1, sum(len(r["tokens"]) for r in rows)) and (b["doc_ids"] >= 0).all()   # no padding
+        assert b["doc_ids"].max() == len(rows) - 1 and "attn_mask" not in b
+        trained += int((b["labels"] != -100).sum())
     assert trained == labelled   # one epoch: each row's labelled tokens exactly once
+    # the reference: each row of the first batch alone through the model, F.cross_entropy summed
+    rows, b = t.objective.rows_of(t, 0), t.micro_batch(0)
+    with torch.no_grad():
+        ref = sum(F.cross_entropy(t.model(torch.tensor([r["tokens"]]))[0], torch.tensor(r["labels"]), reduction="sum") for r in rows)
+        got = F.cross_entropy(t.model(b["tokens"], positions=b["positions"], doc_ids=b["doc_ids"])[0], b["labels"][0], reduction="sum")
+    assert abs(float(got) - float(ref)) <= 1e-5 * float(ref), (float(got), float(ref))
     t.claim_output()
-    assert "packing: on (packing left unset" in (tmp_path / "auto" / "log.txt").read_text()
+    assert "padding_free: on (left unset" in (tmp_path / "auto" / "log.txt").read_text()
     again = _trainer(tok, tmp_path / "auto", data=str(f), eval_fraction=0.1, max_seq_len=256, batch_size=8, epochs=1,
                      max_steps=TrainConfig.max_steps).setup()
-    assert (again.config.packing, again.config.batch_size) == (True, k)   # the same choice every time: a resume finds it
-    given = _trainer(tok, tmp_path / "given", data=str(f), eval_fraction=0.1, max_seq_len=256, packing=False).setup()
-    assert given.config.packing is False and "packing_report" not in given.choices and given.config.batch_size == 8
+    assert again.config.padding_free is True   # the same choice every time: a resume finds it
+    for kw in (dict(padding_free=False), dict(packing=False)):
+        given = _trainer(tok, tmp_path / "given", data=str(f), eval_fraction=0.1, max_seq_len=256, **kw).setup()
+        assert given.config.padding_free is False and "padding_free_report" not in given.choices and "attn_mask" in given.micro_batch(0)
     even = tmp_path / "even.jsonl"
     even.write_text("".join(json.dumps({"prompt": f"reverse {w}", "response": w[::-1]}) + "\n" for w in ["abcd", "hell", "tune", "book"] * 10))
     e = _trainer(tok, tmp_path / "even", data=str(even), eval_fraction=0.1, max_seq_len=40).setup()
-    assert e.config.packing is False and e.choices["packing_report"].startswith("off (packing left unset: 36 rows of ")
+    assert e.config.padding_free is False and e.choices["padding_free_report"].startswith("off (left unset: 36 rows of ")
     s = _trainer(tok, tmp_path / "task").setup()
-    assert s.config.packing is False and "packing_report" not in s.choices
+    assert s.config.padding_free is False and "padding_free_report" not in s.choices
+    with pytest.raises(ValueError, match="choose one"):
+        TrainConfig(packing=True, padding_free=True).validate()

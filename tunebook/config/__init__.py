@@ -205,7 +205,8 @@ class SFTDataPart(Part):
     response_field: str = "response"     # instruct format: the column holding the answer
     messages_field: str = "messages"     # chat format: the column holding the list of {role, content} turns
     train_on: str = "all"                # multi-turn chat: learn "all" assistant turns or only the "last"
-    packing: bool | None = None          # pack several rows into each sequence (attention stays within each row); None: a data file's rows are packed when padding would be most of the compute (said in the log)
+    packing: bool | None = None          # fill sequences of max_seq_len tokens with whole rows (attention stays within each row; batch_size then counts sequences); None: off
+    padding_free: bool | None = None     # lay each micro-batch's rows end to end in one sequence: no padding, attention within each row, the same rows a step as padded batches; None: on for a data file's rows when padding would be most of the compute (said in the log)
 
     _formats: typing.ClassVar[tuple] = tuple(f for f in FORMATS if f != "preference")   # what --format accepts (DPO reads preference pairs)
 
@@ -214,6 +215,9 @@ class SFTDataPart(Part):
         if self.format not in ("auto", *self._formats): bad.append(f"{o('format')}: use auto, {', '.join(self._formats)}")
         if self.train_on not in ("all", "last"): bad.append(f"{o('train_on')}: use all (every assistant turn) or last")
         if getattr(self, "data", None) is None and self.n_train < 1: bad.append(f"{o('n_train')} must be >= 1: the synthetic task needs training rows")
+        if self.packing and self.padding_free:
+            bad.append(f"{o('packing')} and {o('padding_free')}: choose one: packing fills sequences of max_seq_len tokens "
+                       "(batch_size counts sequences), padding_free lays each batch's rows end to end (batch_size counts rows)")
         return bad + super().problems()
 
 @dataclass

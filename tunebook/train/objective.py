@@ -13,12 +13,13 @@ import torch
 
 from ..loss import ChunkedCrossEntropy
 from ..deltanet import GatedDeltaNet
+from ..batches import collate_padding_free
 from ..data import IGNORE_INDEX, collate_fn, encode_conversation, fit_max_new_tokens, pack, shift_labels
 from .evaluate import evaluate_accuracy, held_out_loss, lm_loss_sum, to_device
 from .load import exact_check, load_model_and_tokenizer, split_data
 
 # %% auto #0
-__all__ = ['PACK_GAIN', 'RunData', 'Objective', 'run_data', 'chunked_loss_fn', 'choose_packing', 'SFT', 'ObjectiveSpec']
+__all__ = ['PAD_GAIN', 'RunData', 'Objective', 'run_data', 'chunked_loss_fn', 'choose_padding_free', 'SFT', 'ObjectiveSpec']
 
 # %% ../../nbs/11_training_loop.ipynb #dd69d433
 @dataclass
@@ -133,25 +134,21 @@ def chunked_loss_fn(tr) -> ChunkedCrossEntropy | None:
     if not tr.config.chunked_ce: return None
     return ChunkedCrossEntropy(tr.config.chunked_ce, reduction="sum", softcap=getattr(tr.model, "final_softcap", None) or None)
 
-PACK_GAIN = 1.5   # packing left unset: rows from a file are packed when padded batches would compute this many times the positions, or more
+PAD_GAIN = 1.5   # padding_free left unset: a data file's rows go end to end when padded batches would compute this many times their tokens, or more
 
-def choose_packing(train, max_seq_len: int, batch_size: int, world: int = 1, seed: int = 0) -> tuple:
-    """packing left unset: (packed rows, packed rows a step, why) when padded batches of `batch_size` would compute at least
-    PACK_GAIN times the positions the packed rows do (their first epoch, as the run draws it), else (None, None, why).
-    A step then takes about as many rows as `batch_size` padded ones, so the learning rate and the steps an epoch keep their meaning."""
+def choose_padding_free(train, batch_size: int, seed: int = 0) -> tuple[bool, str]:
+    """padding_free left unset: (on, why). On when padded batches of `batch_size` (the first epoch's, drawn as the run
+    draws them) would compute at least PAD_GAIN times the rows' own tokens. Either way a step holds `batch_size` rows."""
     lengths = [len(train[i]["tokens"]) for i in range(len(train))]
     order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed)).tolist()
     padded = sum(len(b) * max(b) for b in ([lengths[j] for j in order[i:i + batch_size]] for i in range(0, len(order), batch_size)))
-    packed = pack(train, max_seq_len)
-    gain, span = padded / (len(packed) * max_seq_len), f"{len(lengths)} rows of {min(lengths)}-{max(lengths)} tokens"
-    off = f"off (packing left unset: {span}; padded batches of {batch_size} compute {gain:.2f}x the positions of packed rows"
-    if gain < PACK_GAIN: return None, None, off + f", under {PACK_GAIN}x; --packing packs anyway)"
-    k = max(1, round(batch_size * len(packed) / len(lengths)))   # packed rows holding about batch_size rows
-    k = min(-(-k // world) * world, len(packed) // world * world)  # an equal share per process
-    if k < 1: return None, None, off + f", but {len(packed)} packed rows cannot feed {world} processes)"
-    return packed, k, (f"on (packing left unset: {span}; padded batches of {batch_size} would compute {gain:.1f}x the positions, "
-                       f"{1 - sum(lengths) / padded:.0%} of them padding; {k} rows of {max_seq_len} tokens a step hold about "
-                       f"{k * len(lengths) / len(packed):.1f} rows, as {batch_size} padded rows would; --no-packing keeps padded batches)")
+    gain, span = padded / sum(lengths), f"left unset: {len(lengths)} rows of {min(lengths)}-{max(lengths)} tokens"
+    if gain < PAD_GAIN:
+        return False, (f"off ({span}; padded batches of {batch_size} compute {gain:.2f}x their tokens, under {PAD_GAIN}x; "
+                       "--padding-free lays rows end to end anyway)")
+    return True, (f"on ({span}; padded batches of {batch_size} would compute {gain:.1f}x their tokens, {1 - 1 / gain:.0%} of it "
+                  f"padding; each step lays its {batch_size} rows end to end in one sequence, attention inside each row; "
+                  "--no-padding-free keeps padded batches)")
 
 class SFT(Objective):
     "Supervised fine-tuning: cross-entropy on the labelled (response) tokens; eval by exact match and held-out loss."
@@ -173,20 +170,23 @@ class SFT(Objective):
         d = run_data(tr, train, evals, check, held)
         if d.held_out is None and d.eval_data:
             d.held_out = self.held_out_rows(tr.tokenizer, d.eval_data, getattr(train, "use_chat_template", None))
+        recurrent = any(isinstance(m, GatedDeltaNet) for m in tr.model.modules())
+        if recurrent and (c.packing or c.padding_free):   # refused before any step: its documents would share one state
+            raise ValueError(f"{c.opt('packing' if c.packing else 'padding_free')}: this model's Gated DeltaNet layers carry one "
+                             "state along a sequence, so rows laid end to end would see each other; leave it out (padded batches)")
         if c.packing: d.rows = pack(train, d.max_seq_len)
-        elif c.packing is None:   # left unset: a file's ragged rows are packed where that saves most of the compute
-            rows, k, why = choose_packing(train, d.max_seq_len, c.batch_size, tr.world, c.seed) if c.data is not None and d.max_seq_len else (None, None, None)
-            if rows is not None and any(isinstance(m, GatedDeltaNet) for m in tr.model.modules()):
-                rows, k, why = None, None, "off (packing left unset: Gated DeltaNet layers carry one state along a row, so packed documents would see each other)"
-            c.packing = rows is not None   # resolved once: config.yaml and a resume see the choice
-            if why: d.choices["packing_report"] = why
-            if rows is not None: d.rows, c.batch_size = rows, k
+        elif c.padding_free is None and c.packing is None and c.data is not None:   # a file's ragged rows: go padding-free where that saves most
+            on, why = (False, "off (left unset: Gated DeltaNet layers carry one state along a sequence, so rows end to end "
+                       "would see each other)") if recurrent else choose_padding_free(train, c.batch_size, c.seed)
+            c.padding_free, d.choices["padding_free_report"] = on, why
+        c.packing, c.padding_free = bool(c.packing), bool(c.padding_free)   # resolved once: config.yaml and a resume see the choice
         return d
 
     def make_loss_fn(self, tr): return chunked_loss_fn(tr)
 
     def batch(self, tr, g):
-        batch = collate_fn(self.rows_of(tr, g), pad_id=getattr(tr.rows, "pad_id", 0))
+        rows, pad_id = self.rows_of(tr, g), getattr(tr.rows, "pad_id", 0)
+        batch = collate_padding_free(rows, pad_id) if tr.config.padding_free else collate_fn(rows, pad_id=pad_id)
         if "attn_mask" in batch and bool(batch["attn_mask"].all()): del batch["attn_mask"]  # no padding: SDPA's causal path
         return to_device(batch, tr.model.embed_tokens.weight.device)
 
