@@ -46,6 +46,17 @@ def test_two_processes_match_one(model_dir, tmp_path, method):
     assert max((pa[n] - pb[n]).abs().max().item() for n in pa) <= 1e-5
 
 
+@pytest.mark.slow
+def test_two_processes_padding_free_match_one_padded(model_dir, tmp_path):
+    "Each process lays its share of a batch's rows end to end: the same losses and weights as one process padding them."
+    one = _run(model_dir, tmp_path / "one", 1, "--method", "lora", "--no-padding-free")
+    two = _run(model_dir, tmp_path / "two", 2, "--method", "lora", "--padding-free")
+    assert (one["loss"] - two["loss"]).abs().max() <= 1e-5, (one["loss"].tolist(), two["loss"].tolist())
+    a, b = load_hf(tmp_path / "one" / "model"), load_hf(tmp_path / "two" / "model")
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert max((pa[n] - pb[n]).abs().max().item() for n in pa) <= 1e-5
+
+
 def test_nproc_must_divide_batch(model_dir, tmp_path):
     r = subprocess.run([sys.executable, "-m", "tunebook.cli", "finetune", "--model", str(model_dir), "--nproc", "3",
                         "--batch-size", "8", "--output-dir", str(tmp_path / "o")], capture_output=True, text=True)
