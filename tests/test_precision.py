@@ -171,6 +171,41 @@ def test_calibration_is_measured_once_and_kept_whole(tmp_path, monkeypatch):
     assert [p.name for p in path.parent.iterdir()] == ["bf16_speed.json"]   # no temporary file left behind
 
 
+def test_an_instruction_set_cap_is_its_own_cpu(monkeypatch):
+    "ONEDNN_MAX_CPU_ISA=AVX2 on an AMX host runs an AVX2 CPU's code: its own calibration entry, and no bf16 by the flags."
+    import tunebook.precision as tp
+    monkeypatch.setattr(tp, "cpu_flags", lambda path="/proc/cpuinfo": frozenset({"avx2", "avx512_bf16", "amx_bf16"}))
+    for k in tp.ISA_LIMITS: monkeypatch.delenv(k, raising=False)
+    plain = tp.calibration_key()
+    monkeypatch.setenv("TUNEBOOK_BF16_CALIBRATION", "off")
+    assert tp.fast_bf16("cpu")[0]
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")   # ATen's own kernels capped: oneDNN's bf16 matmuls still run
+    assert tp.calibration_key() == plain.replace(" | torch", " | ATEN_CPU_CAPABILITY=avx2 | torch") and tp.fast_bf16("cpu")[0]
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx2")
+    assert "ONEDNN_MAX_CPU_ISA=avx2" in tp.calibration_key()
+    ok, why = tp.fast_bf16("cpu")
+    assert not ok and "but ONEDNN_MAX_CPU_ISA=avx2 keeps oneDNN from using them" in why and "emulated" in why
+    assert tp.fast_bf16("cpu", flags=frozenset({"amx_bf16"}))[0]   # flags given: a question about another CPU, no cap
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")   # a cap above bf16 takes nothing away
+    assert tp.fast_bf16("cpu")[0]
+
+
+def test_a_capped_process_measures_its_own_speed(tmp_path):
+    "Real subprocesses sharing one cache: the uncapped one measures, the AVX2-capped one measures again and picks fp32."
+    import os, subprocess, sys
+    code = ("import json, torch; torch.set_num_threads(1); from tunebook.precision import bf16_calibration, resolve_precision; "
+            "print(json.dumps(dict(cal=bf16_calibration(), auto=resolve_precision('auto', 'cpu', width=576).name)))")
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")}
+    env.update(XDG_CACHE_HOME=str(tmp_path), OMP_NUM_THREADS="1")
+    run = lambda e: json.loads(subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+    plain = run(env)
+    capped = run(dict(env, ONEDNN_MAX_CPU_ISA="AVX2"))
+    assert not plain["cal"]["cached"] and not capped["cal"]["cached"]   # not the uncapped answer read back
+    assert capped["cal"]["speedup"] < 1 and capped["auto"] == "fp32"   # bf16 without its instructions: slower than fp32
+    assert len(json.loads((tmp_path / "tunebook" / "bf16_speed.json").read_text())) == 2
+    assert run(dict(env, ONEDNN_MAX_CPU_ISA="AVX2"))["cal"]["cached"]   # a second capped process reads its own entry
+
+
 def test_calibration_without_a_writable_cache(tmp_path, monkeypatch):
     import tunebook.precision as tp
     (tmp_path / "f").write_text("")

@@ -77,6 +77,26 @@ def test_logits_past_the_sliding_window(ours, hf):
     assert (a - b).abs().max().item() <= TOL
 
 
+def test_padding_free_rows_past_the_window_match_each_alone(ours, hf):
+    """A padding-free batch (the default for a ragged file): rows of 40, 600 and 300 tokens end to end in one sequence,
+    positions restarting, the 512-token window counted inside each row. Each row's last 48 logits (all 40 of the first) equal transformers'
+    on that row alone."""
+    from tunebook.batches import collate_padding_free
+    model, (ref, htok) = ours[0], hf
+    rows = [_long_ids(htok, n)[0] for n in (40, 600, 300)]
+    rows[0], rows[2] = rows[0].roll(3), rows[2].flip(0)   # three different texts
+    b = collate_padding_free([dict(tokens=r, labels=r) for r in rows])
+    assert b["tokens"].shape == (1, 940) and b["positions"][0, 640].item() == 0 and "attn_mask" not in b
+    with torch.no_grad():
+        h = model(b["tokens"], positions=b["positions"], doc_ids=b["doc_ids"], return_hidden=True)[0]
+        end = 0
+        for r in rows:
+            end, k = end + len(r), min(48, len(r))
+            got = model.lm_head(h[end - k:end])
+            want = ref(r[None], logits_to_keep=k).logits[0]
+            assert (got - want).abs().max().item() <= TOL, len(r)
+
+
 def test_greedy_32_tokens_match_generate(ours, hf):
     from tunebook.generate import generate
     model, (ref, htok) = ours[0], hf

@@ -20,9 +20,10 @@ from torch import nn
 from .core import patch
 
 # %% auto #0
-__all__ = ['PRECISIONS', 'TOLERANCE', 'BF16_CPU_FLAGS', 'BF16_MIN_SPEEDUP', 'CALIBRATION_SHAPE', 'AUTO_MIN_WIDTH_CPU',
-           'cpu_flags', 'calibration_path', 'calibration_key', 'measure_bf16_speedup', 'bf16_calibration', 'fast_bf16',
-           'Precision', 'resolve_precision', 'resume_problem', 'store_frozen_']
+__all__ = ['PRECISIONS', 'TOLERANCE', 'BF16_CPU_FLAGS', 'BF16_MIN_SPEEDUP', 'CALIBRATION_SHAPE', 'ISA_LIMITS', 'ONEDNN_NO_BF16',
+           'AUTO_MIN_WIDTH_CPU', 'cpu_flags', 'calibration_path', 'isa_limits', 'calibration_key',
+           'measure_bf16_speedup', 'bf16_calibration', 'fast_bf16', 'Precision', 'resolve_precision', 'resume_problem',
+           'store_frozen_']
 
 # %% ../nbs/08_memory_techniques.ipynb #4c72c24b
 PRECISIONS = ("fp32", "bf16", "bf16-mixed", "fp16-mixed", "auto")
@@ -66,10 +67,18 @@ def _cpu_name() -> str:
     names = [l.split(":", 1)[1].strip() for l in text.splitlines() if l.split(":")[0].strip() in ("model name", "Model name")]
     return names[0] if names else platform.processor() or platform.machine()
 
+# variables that cap the instruction sets torch's kernels use: how a newer CPU runs an older CPU's code
+ISA_LIMITS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+
+def isa_limits() -> dict[str, str]:
+    "The instruction-set caps set in this process's environment (`ISA_LIMITS`), by name."
+    return {k: os.environ[k] for k in ISA_LIMITS if os.environ.get(k, "").strip()}
+
 def calibration_key() -> str:
-    "What a measurement holds for: the CPU's name, a digest of its flags, torch's version and its thread count."
+    "What a measurement holds for: the CPU's name, a digest of its flags, any instruction-set cap, torch's version and its thread count."
     flags = hashlib.sha1(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:10]
-    return f"{_cpu_name()} | flags {flags} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    caps = "".join(f" | {k}={v}" for k, v in isa_limits().items())
+    return f"{_cpu_name()} | flags {flags}{caps} | torch {torch.__version__} | {torch.get_num_threads()} threads"
 
 def measure_bf16_speedup(shape: tuple[int, int, int] = CALIBRATION_SHAPE, reps: int = 5) -> dict:
     "Time an (m, k) @ (k, n) matmul in fp32 and in bf16 on the CPU, alternating, best of `reps` each; speedup = fp32's time / bf16's."
@@ -114,6 +123,9 @@ def _calibrated() -> bool:
     "Whether `fast_bf16` measures (`TUNEBOOK_BF16_CALIBRATION=off` trusts the CPU flags alone)."
     return os.environ.get("TUNEBOOK_BF16_CALIBRATION", "on").strip().lower() not in ("0", "off", "no", "false")
 
+# oneDNN's names for instruction sets without bf16 multiplies (its ONEDNN_MAX_CPU_ISA values)
+ONEDNN_NO_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
+
 def fast_bf16(device: str | torch.device = "cpu", flags: frozenset | None = None) -> tuple[bool, str]:
     "Whether `device` multiplies bf16 fast, and the evidence in words: on a CPU its flags, then `bf16_calibration` (unless `flags` are given)."
     dev = torch.device(device)
@@ -126,14 +138,18 @@ def fast_bf16(device: str | torch.device = "cpu", flags: frozenset | None = None
     found = [f for f in BF16_CPU_FLAGS if f in (cpu_flags() if flags is None else flags)]
     src = "/proc/cpuinfo"
     if not found and flags is None and not cpu_flags(): found, src = _torch_cpu_bf16(), "torch's CPU checks"
+    capped = [f"{k}={v}" for k, v in isa_limits().items() if k in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+              and v.strip().upper() in ONEDNN_NO_BF16] if flags is None else []
     if not torch.backends.mkldnn.is_available(): return False, "this torch build has no oneDNN (mkldnn) for bf16 matmuls"
     claims = (f"the CPU has {' and '.join(found)} ({src}, torch capability {torch.backends.cpu.get_cpu_capability()})" if found
               else f"the CPU has neither {' nor '.join(BF16_CPU_FLAGS)}")
+    if found and capped: found, claims = [], f"{claims}, but {capped[0]} keeps oneDNN from using them"
     if flags is not None or not _calibrated():
         return (True, claims) if found else (False, f"{claims} (bf16 would be emulated, slower than fp32)")
     cal = bf16_calibration()
     fast = cal["speedup"] >= BF16_MIN_SPEEDUP
-    seen = (f"a bf16 matmul ran {cal['speedup']:.1f}x as fast as fp32 here "
+    ratio = f"{cal['speedup']:.1f}" if cal["speedup"] >= 0.1 else f"{cal['speedup']:.2g}"   # an emulating CPU: 0.006x, not 0.0x
+    seen = (f"a bf16 matmul ran {ratio}x as fast as fp32 here "
             f"({'measured ' + cal['measured'] if cal['cached'] else 'measured now'}, {_home_short(calibration_path())})")
     if fast == bool(found): return fast, f"{claims}; {seen}"
     return fast, f"{claims}, but {seen}" + ("" if fast else f": under the {BF16_MIN_SPEEDUP}x bf16 needs to pay")
