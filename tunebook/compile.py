@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .attention import DocumentSpans, build_mask
+from .deltanet import GatedDeltaNet
 from .moe import MoEFeedForward
 
 # %% auto #0
@@ -40,6 +41,11 @@ class _CompiledForward:
         if self.kind == "block":
             x, cos, sin, mask = (*args, None)[:4]
             window = getattr(getattr(m, "self_attn", None), "sliding_window", None)
+            if isinstance(getattr(m, "self_attn", None), GatedDeltaNet):   # a recurrent block: its mask is (B, T) padding or None
+                if isinstance(mask, DocumentSpans): return eager(m, *args)   # documents end to end: its per-document loop, uncompiled
+                for t in (x, cos, sin, mask):   # cos and sin are unused there (None when called alone)
+                    if t is not None: torch._dynamo.maybe_mark_dynamic(t, 1)
+                return self.compiled(m, x, cos, sin, mask)
             if isinstance(mask, DocumentSpans): mask = mask.dense(x.device, window)   # packed rows: the dense document mask
             if mask is None and x.shape[1] > 1:   # an explicit causal mask: SDPA's is_causal would be a symbolic bool
                 mask = build_mask(x.shape[1], device=x.device, sliding_window=window).expand(x.shape[0], -1, -1, -1)  # as a padded batch's

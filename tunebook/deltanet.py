@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import DocumentSpans
 from .layers import ACTIVATIONS, TransformerBlock, _act
 
 # %% auto #0
@@ -148,25 +149,44 @@ class GatedDeltaNet(nn.Module):
         log_g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
         return log_g, torch.sigmoid(self.in_proj_b(x).float())
 
-    def forward(self, x: torch.Tensor,                 # (B, T, dim)
-                cos=None, sin=None,                    # unused: no position encoding
-                mask: torch.Tensor | None = None,      # (B, T) 1 = real token, 0 = padding
-                ) -> torch.Tensor:                     # (B, T, dim)
-        B, T, _ = x.shape
+    def mix(self, conv_in: torch.Tensor,               # (B, conv_dim, T): in_proj_qkv's output, channels first
+            log_g: torch.Tensor, beta: torch.Tensor,   # (B, T, n_value_heads) each, from `decay_and_beta`
+            cache: DeltaNetCache | None = None,        # continue from its convolution inputs and state; None: from zeros
+            ):                                         # o (B, Hv, T, dv) fp32, the conv's last inputs, the final state
+        "The token mixing of one stretch of text: the short convolution, L2-normed q/k, the gated delta rule."
+        B, T = conv_in.shape[0], conv_in.shape[-1]
         Hk, Hv, dk, dv = self.n_key_heads, self.n_value_heads, self.key_dim, self.value_dim
-        if mask is not None: x = x * mask[..., None].to(x.dtype)
-        c = self.cache
-        qkv, past = causal_conv(self.in_proj_qkv(x).transpose(1, 2), self.conv1d.weight, None if c is None else c.conv)
+        qkv, past = causal_conv(conv_in, self.conv1d.weight, None if cache is None else cache.conv)
         qkv = ACTIVATIONS[self.act](qkv).transpose(1, 2)                          # (B, T, conv_dim)
         q, k, v = qkv.split([Hk * dk, Hk * dk, Hv * dv], -1)
         q, k = (l2norm(t.reshape(B, T, Hk, dk).float()).repeat_interleave(Hv // Hk, 2).transpose(1, 2) for t in (q, k))
         v = v.reshape(B, T, Hv, dv).transpose(1, 2)
-        log_g, beta = (t.transpose(1, 2) for t in self.decay_and_beta(x))      # (B, Hv, T)
-        recurrent = self.mode == "recurrent" or (self.mode == "auto" and c is not None and T == 1)
+        recurrent = self.mode == "recurrent" or (self.mode == "auto" and cache is not None and T == 1)
         rule = recurrent_delta_rule if recurrent else chunked_delta_rule
-        o, S = rule(q, k, v, log_g, beta, None if c is None or c.size == 0 else c.state)
-        if c is not None:
-            c.conv.copy_(past); c.state.copy_(S); c.size += T
+        o, S = rule(q, k, v, log_g.transpose(1, 2), beta.transpose(1, 2), None if cache is None or cache.size == 0 else cache.state)
+        return o, past, S
+
+    def forward(self, x: torch.Tensor,                 # (B, T, dim)
+                cos=None, sin=None,                    # unused: no position encoding
+                mask: torch.Tensor | DocumentSpans | None = None,  # (B, T) 1 = real token, 0 = padding; or documents end to end
+                ) -> torch.Tensor:                     # (B, T, dim)
+        B, T, _ = x.shape
+        Hv, dv = self.n_value_heads, self.value_dim
+        c = self.cache
+        if isinstance(mask, DocumentSpans):   # rows laid end to end: each document starts from a zero state and zero conv inputs
+            if c is not None: raise ValueError("documents laid end to end (doc_ids) do not combine with a DeltaNet cache")
+            conv_in, (log_g, beta) = self.in_proj_qkv(x).transpose(1, 2), self.decay_and_beta(x)   # token-wise: the whole row at once
+            rows = []
+            for row, ci, lg, bt in zip(mask.spans, conv_in.unbind(0), log_g.unbind(0), beta.unbind(0)):
+                sizes = [e - s for s, e in row]   # split, not slices: the backward gathers the pieces in one copy
+                rows.append(torch.cat([self.mix(cd[None], gd[None], bd[None])[0]
+                                       for cd, gd, bd in zip(ci.split(sizes, -1), lg.split(sizes, 0), bt.split(sizes, 0))], 2))
+            o = torch.cat(rows, 0)
+        else:
+            if mask is not None: x = x * mask[..., None].to(x.dtype)
+            o, past, S = self.mix(self.in_proj_qkv(x).transpose(1, 2), *self.decay_and_beta(x), c)
+            if c is not None:
+                c.conv.copy_(past); c.state.copy_(S); c.size += T
         o = self.norm(o.transpose(1, 2).to(x.dtype), self.in_proj_z(x).reshape(B, T, Hv, dv))
         return self.out_proj(o.reshape(B, T, Hv * dv))
 

@@ -77,10 +77,11 @@ class Transformer(nn.Module):
         if mask is not None and (attn_mask is not None or doc_ids is not None):
             raise ValueError("pass either a ready-made mask or attn_mask/doc_ids, not both")
         masks = self._masks(T, start, attn_mask, doc_ids, mask, tokens.device)
-        if (doc_ids is not None or mask is not None) and any(isinstance(l.self_attn, GatedDeltaNet) for l in self.layers):
-            raise ValueError("Gated DeltaNet layers carry one state along the row: packed documents (doc_ids) and "
-                             "ready-made masks are not supported; pass attn_mask (padding) only.")
-        pad = None if attn_mask is None else attn_mask[:, -T:]   # what a DeltaNet layer takes: (B, T) padding
+        spans = masks.get(None) if isinstance(masks.get(None), DocumentSpans) else None
+        if (mask is not None or (doc_ids is not None and spans is None)) and any(isinstance(l.self_attn, GatedDeltaNet) for l in self.layers):
+            raise ValueError("Gated DeltaNet layers carry one state along the row: they take documents laid end to end (doc_ids) "
+                             "alone, or a padding mask (attn_mask); not a ready-made mask, nor doc_ids with attn_mask or a cache.")
+        pad = spans if spans is not None else None if attn_mask is None else attn_mask[:, -T:]   # what a DeltaNet layer takes
         self.moe_attn_mask = None if attn_mask is None else attn_mask[:, -T:]   # the load-balancing loss skips padding
         rope = self.rope(positions)
         local = self.rope_local(positions) if self.rope_local is not None else rope

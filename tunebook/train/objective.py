@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ..loss import ChunkedCrossEntropy
-from ..deltanet import GatedDeltaNet
 from ..batches import collate_padding_free
 from ..data import IGNORE_INDEX, collate_fn, encode_conversation, fit_max_new_tokens, pack, shift_labels
 from .evaluate import evaluate_accuracy, held_out_loss, lm_loss_sum, to_device
@@ -170,15 +169,9 @@ class SFT(Objective):
         d = run_data(tr, train, evals, check, held)
         if d.held_out is None and d.eval_data:
             d.held_out = self.held_out_rows(tr.tokenizer, d.eval_data, getattr(train, "use_chat_template", None))
-        recurrent = any(isinstance(m, GatedDeltaNet) for m in tr.model.modules())
-        if recurrent and (c.packing or c.padding_free):   # refused before any step: its documents would share one state
-            raise ValueError(f"{c.opt('packing' if c.packing else 'padding_free')}: this model's Gated DeltaNet layers carry one "
-                             "state along a sequence, so rows laid end to end would see each other; leave it out (padded batches)")
         if c.packing: d.rows = pack(train, d.max_seq_len)
         elif c.padding_free is None and c.packing is None and c.data is not None:   # a file's ragged rows: go padding-free where that saves most
-            on, why = (False, "off (left unset: Gated DeltaNet layers carry one state along a sequence, so rows end to end "
-                       "would see each other)") if recurrent else choose_padding_free(train, c.batch_size, c.seed)
-            c.padding_free, d.choices["padding_free_report"] = on, why
+            c.padding_free, d.choices["padding_free_report"] = choose_padding_free(train, c.batch_size, c.seed)
         c.packing, c.padding_free = bool(c.packing), bool(c.padding_free)   # resolved once: config.yaml and a resume see the choice
         return d
 
