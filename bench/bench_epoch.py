@@ -290,15 +290,14 @@ def spawn(spec: dict, timeout: float) -> dict:
 
 
 # ---------------------------------------------------------------- the parent
-ISA_LIMITS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
-
 def cpu_line() -> str:
     try:
         info = Path("/proc/cpuinfo").read_text()
         name = next(l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name"))
         flags = set(next(l.split(":", 1)[1].split() for l in info.splitlines() if l.startswith("flags")))
         have = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
-        limits = [f"{k}={os.environ[k]}" for k in ISA_LIMITS if os.environ.get(k)]   # an instruction set capped by hand (a proxy for a CPU without it)
+        from tunebook.precision import isa_limits   # an instruction set capped by hand (a proxy for a CPU without it)
+        limits = [f"{k}={v}" for k, v in isa_limits().items()]
         return f"{name}, {os.cpu_count()} cores, flags: {' '.join(have)}" + (f"; limited by {' '.join(limits)}" if limits else "")
     except (OSError, StopIteration):
         return platform.processor() or "unknown CPU"
